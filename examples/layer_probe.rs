@@ -1,0 +1,167 @@
+//! Applies one attention layer of a checkpoint to activations saved in a file, so a model
+//! port can be diffed against PyTorch.
+//!
+//! ```text
+//! cargo run --release --example layer_probe -- \
+//!   --weights W.safetensors --layout bert|torch-mha|gpt2|llama|single \
+//!   [--prefix encoder.layer.3.attention] [--heads 12] [--kv-heads 2] [--causal] \
+//!   --input IN.safetensors --output OUT.safetensors
+//! ```
+//!
+//! `IN` holds `x` f32 `(batch, seq, hidden)`, optionally `attention_mask` `(batch, seq_k)`
+//! (I64, U8 or F32; 1 = keep) and `kv` f32 `(batch, seq_k, hidden)` for cross-attention.
+//! `OUT` gets F32 `context` `(batch, seq, hidden_out)` (after W_O where the layout has one)
+//! and F32 `weights` `(batch, heads, seq, seq_k)`.
+
+use std::collections::HashMap;
+use std::path::PathBuf;
+use std::process::ExitCode;
+use std::time::Instant;
+
+use anyhow::{bail, Context};
+use candle_attention::{
+    AttentionConfig, AttentionMask, Checkpoint, HfConfig, MultiHeadSelfAttention,
+    SingleHeadSelfAttention, WeightLayout,
+};
+use candle_core::{DType, Device, Tensor};
+use clap::Parser;
+
+#[derive(Parser, Debug)]
+#[command(about = "Apply one attention layer of a checkpoint to saved activations")]
+struct Args {
+    /// Safetensors file with the layer's weights.
+    #[arg(long)]
+    weights: PathBuf,
+    /// Checkpoint layout: bert, torch-mha, gpt2, llama or single.
+    #[arg(long)]
+    layout: WeightLayout,
+    /// Prefix of the attention module in the checkpoint (e.g. encoder.layer.3.attention).
+    #[arg(long, default_value = "")]
+    prefix: String,
+    /// Query heads (default: 1 for `single`, else `num_attention_heads` of a config.json
+    /// next to the weights).
+    #[arg(long)]
+    heads: Option<usize>,
+    /// Key/value heads (default: read from the checkpoint).
+    #[arg(long)]
+    kv_heads: Option<usize>,
+    /// Causal self-attention (GPT-2 is always causal).
+    #[arg(long)]
+    causal: bool,
+    /// Safetensors file with `x`, optional `attention_mask` and `kv`.
+    #[arg(long)]
+    input: PathBuf,
+    /// Where to write `context` and `weights`.
+    #[arg(long)]
+    output: PathBuf,
+}
+
+fn main() -> ExitCode {
+    match run(Args::parse()) {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("error: {e:#}");
+            ExitCode::FAILURE
+        }
+    }
+}
+
+fn run(args: Args) -> anyhow::Result<()> {
+    let device = Device::Cpu;
+    let t0 = Instant::now();
+    let ckpt = Checkpoint::open(&args.weights)?;
+    ckpt.check_prefix(&args.prefix)?;
+    let vb = ckpt.var_builder(DType::F32, &device);
+    let vb = if args.prefix.is_empty() {
+        vb
+    } else {
+        vb.pp(&args.prefix)
+    };
+
+    let inputs = Checkpoint::open(&args.input).context("reading --input")?;
+    let x = float_input(&inputs, "x", &device)?;
+    let kv = if inputs.contains("kv") {
+        Some(float_input(&inputs, "kv", &device)?)
+    } else {
+        None
+    };
+    let mask = if inputs.contains("attention_mask") {
+        Some(AttentionMask::padding(
+            &inputs.tensor("attention_mask", &device)?,
+        )?)
+    } else {
+        None
+    };
+
+    let out = if args.layout == WeightLayout::Single {
+        if let Some(h) = args.heads.filter(|&h| h != 1) {
+            bail!("the single layout has exactly one head, --heads {h} was given");
+        }
+        if kv.is_some() {
+            bail!("the single layout is self-attention only; remove `kv` from the input");
+        }
+        let head = SingleHeadSelfAttention::load(vb)?.with_causal(args.causal);
+        let load = t0.elapsed();
+        let t1 = Instant::now();
+        let out = head.forward_with_weights(&x, mask.as_ref())?;
+        eprintln!("loaded in {load:.1?}, ran in {:.1?}", t1.elapsed());
+        out
+    } else {
+        let heads = match args.heads {
+            Some(h) => h,
+            None => heads_from_config(&args)?,
+        };
+        let mut cfg = AttentionConfig::new(args.layout, heads);
+        cfg.causal = cfg.causal || args.causal;
+        cfg.num_kv_heads = args.kv_heads;
+        let attn = MultiHeadSelfAttention::load(vb, &cfg)?;
+        let load = t0.elapsed();
+        let t1 = Instant::now();
+        let out = attn.attend(&x, kv.as_ref(), mask.as_ref(), true)?;
+        eprintln!("loaded in {load:.1?}, ran in {:.1?}", t1.elapsed());
+        out
+    };
+    let mut tensors = HashMap::new();
+    tensors.insert("context".to_string(), out.context.to_dtype(DType::F32)?);
+    if let Some(w) = out.weights {
+        tensors.insert("weights".to_string(), w.to_dtype(DType::F32)?);
+    }
+    candle_core::safetensors::save(&tensors, &args.output)
+        .with_context(|| format!("writing {}", args.output.display()))?;
+    Ok(())
+}
+
+/// An f32 activation tensor of rank 3.
+fn float_input(inputs: &Checkpoint, name: &str, device: &Device) -> anyhow::Result<Tensor> {
+    let t = inputs.tensor(name, device)?;
+    if t.dtype() != DType::F32 {
+        bail!(
+            "input `{name}` in {} has dtype {:?}, expected F32",
+            inputs.paths()[0].display(),
+            t.dtype()
+        );
+    }
+    if t.rank() != 3 {
+        bail!(
+            "input `{name}` has shape {:?}, expected (batch, seq, hidden)",
+            t.dims()
+        );
+    }
+    Ok(t)
+}
+
+fn heads_from_config(args: &Args) -> anyhow::Result<usize> {
+    let config = args
+        .weights
+        .parent()
+        .map(|d| d.join("config.json"))
+        .filter(|p| p.exists());
+    match config {
+        Some(path) => Ok(HfConfig::from_file(path)?.num_attention_heads),
+        None => bail!(
+            "--heads is required for the {} layout (no config.json next to {})",
+            args.layout,
+            args.weights.display()
+        ),
+    }
+}

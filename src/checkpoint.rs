@@ -1,0 +1,303 @@
+//! Safetensors checkpoints that explain themselves when something is wrong.
+//!
+//! [`Checkpoint`] opens one or more `.safetensors` files, checks them before any tensor is
+//! read, and hands out a [`VarBuilder`] whose errors are this crate's: a missing tensor
+//! lists what does exist under the nearest prefix, a wrong shape names the tensor with the
+//! expected and found shapes, an integer tensor where a weight is expected names its dtype.
+
+use std::collections::BTreeSet;
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+
+use candle_core::safetensors::MmapedSafetensors;
+use candle_core::{DType, Device, Shape, Tensor};
+use candle_nn::var_builder::SimpleBackend;
+use candle_nn::VarBuilder;
+
+use crate::error::{Error, Result};
+
+/// Most tensor names listed in a [`Error::MissingTensor`] message.
+const MAX_LISTED: usize = 32;
+
+/// One or more safetensors files opened for reading, with their tensor names indexed.
+#[derive(Clone)]
+pub struct Checkpoint {
+    inner: Arc<Inner>,
+}
+
+struct Inner {
+    paths: Vec<PathBuf>,
+    tensors: MmapedSafetensors,
+    names: BTreeSet<String>,
+}
+
+impl std::fmt::Debug for Checkpoint {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Checkpoint")
+            .field("paths", &self.inner.paths)
+            .field("tensors", &self.inner.names.len())
+            .finish()
+    }
+}
+
+impl Checkpoint {
+    /// Opens one safetensors file.
+    ///
+    /// Fails with [`Error::Io`] when the file cannot be read and with
+    /// [`Error::InvalidCheckpoint`] when it is empty, truncated or not safetensors.
+    pub fn open(path: impl AsRef<Path>) -> Result<Self> {
+        Self::open_many(&[path.as_ref()])
+    }
+
+    /// Opens several safetensors files (a sharded checkpoint) as one.
+    pub fn open_many<P: AsRef<Path>>(paths: &[P]) -> Result<Self> {
+        if paths.is_empty() {
+            return Err(Error::config("no checkpoint file given"));
+        }
+        let paths: Vec<PathBuf> = paths.iter().map(|p| p.as_ref().to_path_buf()).collect();
+        for path in &paths {
+            validate_file(path)?;
+        }
+        // SAFETY: the files are memory mapped read-only; like every mmap-based loader
+        // (candle's included), this assumes no other process truncates them while mapped.
+        let tensors =
+            unsafe { MmapedSafetensors::multi(&paths) }.map_err(|e| Error::InvalidCheckpoint {
+                path: paths[0].clone(),
+                reason: describe_candle_error(&e),
+            })?;
+        let names = tensors
+            .tensors()
+            .into_iter()
+            .map(|(name, _)| name)
+            .collect();
+        Ok(Self {
+            inner: Arc::new(Inner {
+                paths,
+                tensors,
+                names,
+            }),
+        })
+    }
+
+    /// The files this checkpoint reads.
+    pub fn paths(&self) -> &[PathBuf] {
+        &self.inner.paths
+    }
+
+    /// All tensor names, sorted.
+    pub fn names(&self) -> impl Iterator<Item = &str> {
+        self.inner.names.iter().map(String::as_str)
+    }
+
+    /// Whether a tensor of that exact name exists.
+    pub fn contains(&self, name: &str) -> bool {
+        self.inner.names.contains(name)
+    }
+
+    /// Names of the tensors under a dotted prefix (`"encoder.layer.0"` matches
+    /// `encoder.layer.0.attention...` but not `encoder.layer.01...`). An empty prefix
+    /// matches everything.
+    pub fn names_under(&self, prefix: &str) -> Vec<&str> {
+        self.names().filter(|n| under(n, prefix)).collect()
+    }
+
+    /// Whether any tensor lives under the dotted prefix.
+    pub fn has_prefix(&self, prefix: &str) -> bool {
+        self.names().any(|n| under(n, prefix))
+    }
+
+    /// Fails with [`Error::PrefixNotFound`] (naming the roots that do exist) unless some
+    /// tensor lives under `prefix`. An empty prefix always passes.
+    pub fn check_prefix(&self, prefix: &str) -> Result<()> {
+        if self.has_prefix(prefix) {
+            return Ok(());
+        }
+        let roots: BTreeSet<&str> = self
+            .names()
+            .map(|n| n.split('.').next().unwrap_or(n))
+            .collect();
+        Err(Error::PrefixNotFound {
+            prefix: prefix.to_string(),
+            roots: roots
+                .into_iter()
+                .take(MAX_LISTED)
+                .map(str::to_string)
+                .collect(),
+        })
+    }
+
+    /// A `VarBuilder` over this checkpoint; tensors are converted to `dtype` on `device`.
+    pub fn var_builder(&self, dtype: DType, device: &Device) -> VarBuilder<'static> {
+        VarBuilder::from_backend(Box::new(self.clone()), dtype, device.clone())
+    }
+
+    /// Loads one tensor as stored (no dtype conversion).
+    pub fn tensor(&self, name: &str, device: &Device) -> Result<Tensor> {
+        if !self.contains(name) {
+            return Err(self.missing(name));
+        }
+        Ok(self.inner.tensors.load(name, device)?)
+    }
+
+    /// The [`Error::MissingTensor`] for `name`, listing what exists under the longest
+    /// prefix of `name` that the checkpoint knows.
+    pub fn missing(&self, name: &str) -> Error {
+        let parts: Vec<&str> = name.split('.').collect();
+        let mut prefix = String::new();
+        for k in (1..parts.len()).rev() {
+            let candidate = parts[..k].join(".");
+            if self.has_prefix(&candidate) {
+                prefix = candidate;
+                break;
+            }
+        }
+        let all = self.names_under(&prefix);
+        Error::MissingTensor {
+            name: name.to_string(),
+            total: all.len(),
+            available: all
+                .into_iter()
+                .take(MAX_LISTED)
+                .map(str::to_string)
+                .collect(),
+            prefix,
+            listed: true,
+        }
+    }
+
+    fn load_checked(&self, name: &str, dtype: DType, device: &Device) -> Result<Tensor> {
+        if !self.contains(name) {
+            return Err(self.missing(name));
+        }
+        let view = self.inner.tensors.get(name)?;
+        let stored = view.dtype();
+        use safetensors::Dtype as S;
+        let stored_is_float = matches!(stored, S::F16 | S::BF16 | S::F32 | S::F64);
+        if dtype.is_float() && !stored_is_float {
+            return Err(Error::WrongDtype {
+                tensor: name.to_string(),
+                expected: "a floating point dtype (f16, bf16, f32 or f64)".to_string(),
+                found: format!("{stored:?}"),
+            });
+        }
+        Ok(self.inner.tensors.load(name, device)?.to_dtype(dtype)?)
+    }
+}
+
+fn under(name: &str, prefix: &str) -> bool {
+    prefix.is_empty()
+        || (name.len() > prefix.len()
+            && name.starts_with(prefix)
+            && name.as_bytes()[prefix.len()] == b'.')
+}
+
+impl SimpleBackend for Checkpoint {
+    fn get(
+        &self,
+        s: Shape,
+        name: &str,
+        _: candle_nn::Init,
+        dtype: DType,
+        dev: &Device,
+    ) -> candle_core::Result<Tensor> {
+        let tensor = self
+            .load_checked(name, dtype, dev)
+            .map_err(Error::into_candle)?;
+        if tensor.shape() != &s {
+            return Err(Error::ShapeMismatch {
+                tensor: name.to_string(),
+                expected: format!("{:?}", s.dims()),
+                found: tensor.dims().to_vec(),
+            }
+            .into_candle());
+        }
+        Ok(tensor)
+    }
+
+    fn get_unchecked(&self, name: &str, dtype: DType, dev: &Device) -> candle_core::Result<Tensor> {
+        self.load_checked(name, dtype, dev)
+            .map_err(Error::into_candle)
+    }
+
+    fn contains_tensor(&self, name: &str) -> bool {
+        self.contains(name)
+    }
+}
+
+/// Checks what can be checked before mapping: the file exists, is a file, is not empty
+/// and its 8-byte header length fits in the file.
+fn validate_file(path: &Path) -> Result<()> {
+    let io = |source| Error::Io {
+        path: path.to_path_buf(),
+        source,
+    };
+    let meta = std::fs::metadata(path).map_err(io)?;
+    if meta.is_dir() {
+        return Err(Error::InvalidCheckpoint {
+            path: path.to_path_buf(),
+            reason: "it is a directory, not a file".to_string(),
+        });
+    }
+    let len = meta.len();
+    let invalid = |reason: String| Error::InvalidCheckpoint {
+        path: path.to_path_buf(),
+        reason,
+    };
+    if len == 0 {
+        return Err(invalid("the file is empty (0 bytes)".to_string()));
+    }
+    if len < 8 {
+        return Err(invalid(format!(
+            "the file has {len} bytes, too short for the 8-byte safetensors header length"
+        )));
+    }
+    let mut head = [0u8; 8];
+    {
+        use std::io::Read;
+        let mut f = std::fs::File::open(path).map_err(io)?;
+        f.read_exact(&mut head).map_err(io)?;
+    }
+    let header_len = u64::from_le_bytes(head);
+    if header_len > len - 8 {
+        return Err(invalid(format!(
+            "the header claims {header_len} bytes of metadata but the file has only {} bytes after the length field (truncated, or not safetensors)",
+            len - 8
+        )));
+    }
+    Ok(())
+}
+
+/// Finds the safetensors error inside a candle error and says what it means.
+fn describe_candle_error(err: &candle_core::Error) -> String {
+    match err {
+        candle_core::Error::WithPath { inner, .. }
+        | candle_core::Error::WithBacktrace { inner, .. } => describe_candle_error(inner),
+        candle_core::Error::SafeTensor(e) => describe_safetensors_error(e),
+        other => other.to_string(),
+    }
+}
+
+fn describe_safetensors_error(err: &safetensors::SafeTensorError) -> String {
+    use safetensors::SafeTensorError as E;
+    match err {
+        E::InvalidHeader(_) => "the header is not valid UTF-8".to_string(),
+        E::InvalidHeaderDeserialization(e) => {
+            format!("the header is not valid safetensors JSON ({e})")
+        }
+        E::HeaderTooLarge => {
+            "the header length field is larger than safetensors allows".to_string()
+        }
+        E::HeaderTooSmall => "the file is too small to hold a safetensors header".to_string(),
+        E::InvalidHeaderLength => {
+            "the header length field points past the end of the file".to_string()
+        }
+        E::MetadataIncompleteBuffer => {
+            "the tensor data is shorter or longer than the header says (truncated file?)"
+                .to_string()
+        }
+        E::InvalidOffset(name) => format!("tensor `{name}` has invalid data offsets"),
+        E::TensorInvalidInfo => "a tensor's dtype and shape do not match its byte size".to_string(),
+        E::ValidationOverflow => "tensor sizes in the header overflow".to_string(),
+        other => other.to_string(),
+    }
+}

@@ -1,0 +1,260 @@
+//! Configuration: the attention layer's own [`AttentionConfig`], and [`HfConfig`], which
+//! deserializes a Hugging Face `config.json` (BERT, GPT-2 and LLaMA field names) as is.
+
+use std::path::Path;
+
+use serde::Deserialize;
+
+use crate::error::{Error, Result};
+use crate::layout::WeightLayout;
+
+/// How to build a [`crate::MultiHeadSelfAttention`]. Sizes (hidden, head dims, kv heads)
+/// are read from the checkpoint; only what the tensors cannot tell is stated here.
+#[derive(Debug, Clone, PartialEq)]
+pub struct AttentionConfig {
+    /// Where the projections live in the checkpoint.
+    pub layout: WeightLayout,
+    /// Number of query heads.
+    pub num_heads: usize,
+    /// Number of key/value heads (grouped-query attention); `None` reads it from the
+    /// checkpoint (`key rows / head_dim`).
+    pub num_kv_heads: Option<usize>,
+    /// Apply a causal mask in self-attention.
+    pub causal: bool,
+    /// Multiplier of `Q K^T`; `None` is `1 / sqrt(head_dim)`.
+    pub scale: Option<f64>,
+}
+
+impl AttentionConfig {
+    /// `num_heads` heads of the given layout, non-causal unless the architecture is (GPT-2),
+    /// kv heads read from the checkpoint.
+    pub fn new(layout: WeightLayout, num_heads: usize) -> Self {
+        Self {
+            layout,
+            num_heads,
+            num_kv_heads: None,
+            causal: layout.is_causal_architecture(),
+            scale: None,
+        }
+    }
+
+    /// Sets the number of key/value heads.
+    pub fn with_kv_heads(mut self, kv_heads: usize) -> Self {
+        self.num_kv_heads = Some(kv_heads);
+        self
+    }
+
+    /// Sets causal masking.
+    pub fn with_causal(mut self, causal: bool) -> Self {
+        self.causal = causal;
+        self
+    }
+
+    /// The attention config of a Hugging Face model config (layout from `model_type`).
+    pub fn from_hf(cfg: &HfConfig) -> Result<Self> {
+        let layout = cfg.layout()?;
+        let heads = cfg.num_attention_heads;
+        Ok(Self {
+            layout,
+            num_heads: heads,
+            num_kv_heads: cfg.num_key_value_heads,
+            causal: matches!(layout, WeightLayout::Gpt2 | WeightLayout::Llama),
+            scale: None,
+        })
+    }
+}
+
+fn default_layer_norm_eps() -> f64 {
+    1e-12
+}
+fn default_type_vocab_size() -> usize {
+    2
+}
+fn default_hidden_act() -> String {
+    "gelu".to_string()
+}
+fn default_position_embedding_type() -> String {
+    "absolute".to_string()
+}
+
+/// A Hugging Face `config.json`, with the BERT field names and the GPT-2 / LLaMA aliases.
+#[derive(Debug, Clone, Deserialize, PartialEq)]
+pub struct HfConfig {
+    /// `bert`, `gpt2`, `llama`, ... (picks the weight layout).
+    #[serde(default)]
+    pub model_type: Option<String>,
+    /// Model width (`n_embd` in GPT-2).
+    #[serde(alias = "n_embd", alias = "d_model")]
+    pub hidden_size: usize,
+    /// Query heads (`n_head` in GPT-2).
+    #[serde(alias = "n_head")]
+    pub num_attention_heads: usize,
+    /// Key/value heads (LLaMA grouped-query attention); absent means `num_attention_heads`.
+    #[serde(default)]
+    pub num_key_value_heads: Option<usize>,
+    /// Head dimension when it is not `hidden_size / num_attention_heads`.
+    #[serde(default)]
+    pub head_dim: Option<usize>,
+    /// Number of transformer layers (`n_layer` in GPT-2).
+    #[serde(alias = "n_layer")]
+    pub num_hidden_layers: usize,
+    /// Feed-forward width (`n_inner` in GPT-2, may be null there).
+    #[serde(default, alias = "n_inner")]
+    pub intermediate_size: Option<usize>,
+    /// Longest sequence the position table covers (`n_positions` in GPT-2).
+    #[serde(default, alias = "n_positions")]
+    pub max_position_embeddings: Option<usize>,
+    /// Vocabulary size.
+    #[serde(default)]
+    pub vocab_size: Option<usize>,
+    /// Number of token types (segment embeddings) in BERT.
+    #[serde(default = "default_type_vocab_size")]
+    pub type_vocab_size: usize,
+    /// LayerNorm epsilon (`layer_norm_epsilon` in GPT-2, `rms_norm_eps` in LLaMA).
+    #[serde(
+        default = "default_layer_norm_eps",
+        alias = "layer_norm_epsilon",
+        alias = "rms_norm_eps"
+    )]
+    pub layer_norm_eps: f64,
+    /// Feed-forward activation (`gelu`, `gelu_new`, `relu`, ...; `activation_function` in GPT-2).
+    #[serde(default = "default_hidden_act", alias = "activation_function")]
+    pub hidden_act: String,
+    /// BERT position embeddings; only `absolute` is supported by the encoder.
+    #[serde(default = "default_position_embedding_type")]
+    pub position_embedding_type: String,
+    /// Padding token id.
+    #[serde(default)]
+    pub pad_token_id: Option<i64>,
+}
+
+impl HfConfig {
+    /// Reads and validates a `config.json`.
+    pub fn from_file(path: impl AsRef<Path>) -> Result<Self> {
+        let path = path.as_ref();
+        let text = std::fs::read_to_string(path).map_err(|source| Error::Io {
+            path: path.to_path_buf(),
+            source,
+        })?;
+        let cfg: HfConfig = serde_json::from_str(&text).map_err(|e| Error::Config {
+            path: Some(path.to_path_buf()),
+            message: e.to_string(),
+        })?;
+        cfg.validate().map_err(|e| match e {
+            Error::Config { message, .. } => Error::Config {
+                path: Some(path.to_path_buf()),
+                message,
+            },
+            other => other,
+        })?;
+        Ok(cfg)
+    }
+
+    /// Checks that sizes are positive and heads divide the hidden size.
+    pub fn validate(&self) -> Result<()> {
+        let positive = [
+            ("hidden_size", Some(self.hidden_size)),
+            ("num_attention_heads", Some(self.num_attention_heads)),
+            ("num_hidden_layers", Some(self.num_hidden_layers)),
+            ("num_key_value_heads", self.num_key_value_heads),
+            ("intermediate_size", self.intermediate_size),
+            ("max_position_embeddings", self.max_position_embeddings),
+            ("vocab_size", self.vocab_size),
+            ("head_dim", self.head_dim),
+        ];
+        for (name, value) in positive {
+            if value == Some(0) {
+                return Err(Error::config(format!(
+                    "`{name}` must be at least 1, found 0"
+                )));
+            }
+        }
+        if self.head_dim.is_none() && self.hidden_size % self.num_attention_heads != 0 {
+            return Err(Error::config(format!(
+                "`num_attention_heads` = {} does not divide `hidden_size` = {}",
+                self.num_attention_heads, self.hidden_size
+            )));
+        }
+        if let Some(kv) = self.num_key_value_heads {
+            if self.num_attention_heads % kv != 0 {
+                return Err(Error::config(format!(
+                    "`num_key_value_heads` = {kv} does not divide `num_attention_heads` = {}",
+                    self.num_attention_heads
+                )));
+            }
+        }
+        if !(self.layer_norm_eps.is_finite() && self.layer_norm_eps > 0.0) {
+            return Err(Error::config(format!(
+                "`layer_norm_eps` must be a small positive number, found {}",
+                self.layer_norm_eps
+            )));
+        }
+        Ok(())
+    }
+
+    /// The weight layout for this `model_type`.
+    pub fn layout(&self) -> Result<WeightLayout> {
+        match self.model_type.as_deref().unwrap_or("bert") {
+            "bert" | "roberta" | "xlm-roberta" | "camembert" | "electra" => Ok(WeightLayout::Bert),
+            "gpt2" => Ok(WeightLayout::Gpt2),
+            "llama" | "mistral" | "qwen2" | "qwen3" => Ok(WeightLayout::Llama),
+            other => Err(Error::config(format!(
+                "model_type `{other}` has no known attention layout (bert, gpt2, llama families)"
+            ))),
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn bert_gpt2_and_llama_field_names() -> Result<()> {
+        let bert: HfConfig = serde_json::from_str(
+            r#"{"model_type":"bert","hidden_size":384,"num_attention_heads":12,"num_hidden_layers":6,"intermediate_size":1536,"max_position_embeddings":512}"#,
+        )
+        .map_err(|e| Error::config(e.to_string()))?;
+        assert_eq!(bert.layout()?, WeightLayout::Bert);
+        assert!(!AttentionConfig::from_hf(&bert)?.causal);
+        let gpt2: HfConfig = serde_json::from_str(
+            r#"{"model_type":"gpt2","n_embd":768,"n_head":12,"n_layer":12,"n_positions":1024,"n_inner":null,"layer_norm_epsilon":1e-5,"activation_function":"gelu_new"}"#,
+        )
+        .map_err(|e| Error::config(e.to_string()))?;
+        assert_eq!((gpt2.hidden_size, gpt2.num_attention_heads), (768, 12));
+        assert_eq!(gpt2.max_position_embeddings, Some(1024));
+        assert!(AttentionConfig::from_hf(&gpt2)?.causal);
+        let llama: HfConfig = serde_json::from_str(
+            r#"{"model_type":"llama","hidden_size":2048,"num_attention_heads":32,"num_key_value_heads":4,"num_hidden_layers":22,"rms_norm_eps":1e-5}"#,
+        )
+        .map_err(|e| Error::config(e.to_string()))?;
+        assert_eq!(AttentionConfig::from_hf(&llama)?.num_kv_heads, Some(4));
+        Ok(())
+    }
+
+    #[test]
+    fn nonsense_is_rejected() {
+        let zero: HfConfig = serde_json::from_str(
+            r#"{"hidden_size":384,"num_attention_heads":12,"num_hidden_layers":0}"#,
+        )
+        .expect("parses");
+        assert!(zero
+            .validate()
+            .unwrap_err()
+            .to_string()
+            .contains("num_hidden_layers"));
+        let odd: HfConfig = serde_json::from_str(
+            r#"{"hidden_size":384,"num_attention_heads":7,"num_hidden_layers":2}"#,
+        )
+        .expect("parses");
+        assert!(odd
+            .validate()
+            .unwrap_err()
+            .to_string()
+            .contains("does not divide"));
+        assert!(serde_json::from_str::<HfConfig>(
+            r#"{"hidden_size":-3,"num_attention_heads":1,"num_hidden_layers":1}"#
+        )
+        .is_err());
+    }
+}

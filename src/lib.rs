@@ -1,0 +1,50 @@
+//! # candle-attention
+//!
+//! Self-attention layers for [Candle](https://github.com/huggingface/candle) that load
+//! pretrained projection weights in the layouts real checkpoints use (BERT, PyTorch
+//! `nn.MultiheadAttention`, GPT-2, LLaMA) and match PyTorch.
+//!
+//! - [`scaled_dot_product_attention`]: `softmax(Q K^T / sqrt(d_k) + mask) V`, grouped K/V
+//!   heads, softmax in f32, fully masked rows give zeros (never NaN).
+//! - [`AttentionMask`]: causal, padding (1 = keep), boolean keep/block, additive bias.
+//! - [`SingleHeadSelfAttention`] and [`MultiHeadSelfAttention`] built with a `VarBuilder`
+//!   from a [`WeightLayout`]; both implement [`candle_core::Module`].
+//! - [`Checkpoint`]: safetensors files with errors that name what is wrong.
+//!
+//! ```no_run
+//! use candle_attention::{AttentionConfig, Checkpoint, MultiHeadSelfAttention, WeightLayout};
+//! use candle_core::{DType, Device, Tensor};
+//!
+//! # fn main() -> candle_attention::Result<()> {
+//! let device = Device::Cpu;
+//! let ckpt = Checkpoint::open("weights/model.safetensors")?;
+//! let vb = ckpt.var_builder(DType::F32, &device);
+//! let cfg = AttentionConfig::new(WeightLayout::Bert, 12);
+//! let attn = MultiHeadSelfAttention::load(vb.pp("encoder.layer.0.attention"), &cfg)?;
+//! let x = Tensor::randn(0f32, 1., (1, 8, 384), &device)?;
+//! let out = attn.forward_with_weights(&x, None)?;
+//! assert_eq!(out.context.dims(), &[1, 8, 384]);
+//! # Ok(()) }
+//! ```
+
+mod checkpoint;
+mod config;
+mod error;
+mod layout;
+mod mask;
+mod multi_head;
+mod output;
+mod sdpa;
+mod single_head;
+mod softmax;
+
+pub use checkpoint::Checkpoint;
+pub use config::{AttentionConfig, HfConfig};
+pub use error::{Error, Result};
+pub use layout::{LinearWeights, Projections, WeightLayout};
+pub use mask::{AttentionMask, MaskPart};
+pub use multi_head::MultiHeadSelfAttention;
+pub use output::AttentionOutput;
+pub use sdpa::{scaled_dot_product_attention, SdpaOptions};
+pub use single_head::SingleHeadSelfAttention;
+pub use softmax::masked_softmax;

@@ -1,0 +1,466 @@
+//! Multi-head self-attention (and cross-attention) with fused Q/K/V projections.
+
+use candle_core::{DType, Module, Tensor};
+use candle_nn::VarBuilder;
+
+use crate::config::AttentionConfig;
+use crate::error::{Error, Result};
+use crate::layout::{LinearWeights, Projections};
+use crate::mask::AttentionMask;
+use crate::output::AttentionOutput;
+use crate::sdpa::{scaled_dot_product_attention, SdpaOptions};
+
+/// Q, K and V projections. Fused into one `(q_out + k_out + v_out, in)` matrix at load time
+/// whenever the three read the same input width, so self-attention takes one matrix multiply.
+#[derive(Debug, Clone)]
+enum QkvProjection {
+    Fused {
+        /// `(q_out + k_out + v_out, hidden)`
+        weight: Tensor,
+        /// `(q_out + k_out + v_out,)`
+        bias: Option<Tensor>,
+    },
+    /// K/V read a different width than Q (PyTorch `kdim`/`vdim`): cross-attention only.
+    Separate {
+        q: LinearWeights,
+        k: LinearWeights,
+        v: LinearWeights,
+    },
+}
+
+/// Multi-head attention: `concat(head_1..head_h) W_O` with
+/// `head_i = softmax(Q_i K_i^T / sqrt(d_head) + mask) V_i`.
+///
+/// Supports grouped key/value heads (`num_kv_heads` dividing `num_heads`), optional biases,
+/// optional causal masking, self-attention ([`MultiHeadSelfAttention::forward`]) and
+/// cross-attention ([`MultiHeadSelfAttention::cross_attention`]). Implements
+/// [`candle_core::Module`] (context only).
+#[derive(Debug, Clone)]
+pub struct MultiHeadSelfAttention {
+    qkv: QkvProjection,
+    out_proj: Option<LinearWeights>,
+    hidden: usize,
+    kv_hidden: usize,
+    num_heads: usize,
+    num_kv_heads: usize,
+    head_dim: usize,
+    v_head_dim: usize,
+    causal: bool,
+    scale: Option<f64>,
+}
+
+impl MultiHeadSelfAttention {
+    /// Loads the layer from a checkpoint; `vb` points at the attention prefix
+    /// (e.g. `encoder.layer.3.attention` for BERT). Sizes come from the tensors.
+    pub fn load(vb: VarBuilder, cfg: &AttentionConfig) -> Result<Self> {
+        let projections = cfg.layout.load(&vb)?;
+        Self::new(projections, cfg)
+    }
+
+    /// Builds the layer from projection tensors, checking every size.
+    pub fn new(p: Projections, cfg: &AttentionConfig) -> Result<Self> {
+        let heads = cfg.num_heads;
+        if heads == 0 {
+            return Err(Error::Heads(
+                "the number of heads must be at least 1, found 0".into(),
+            ));
+        }
+        let (q_out, hidden) = p.q.dims()?;
+        let (k_out, k_in) = p.k.dims()?;
+        let (v_out, v_in) = p.v.dims()?;
+        if q_out % heads != 0 {
+            return Err(Error::Heads(format!(
+                "{heads} heads do not divide the {q_out} outputs of the query projection `{}`",
+                p.q.name
+            )));
+        }
+        let head_dim = q_out / heads;
+        let kv_heads = match cfg.num_kv_heads {
+            Some(0) => {
+                return Err(Error::Heads(
+                    "the number of key/value heads must be at least 1, found 0".into(),
+                ))
+            }
+            Some(n) => {
+                if heads % n != 0 {
+                    return Err(Error::Heads(format!(
+                        "{n} key/value heads do not divide the {heads} query heads"
+                    )));
+                }
+                if k_out != n * head_dim {
+                    return Err(Error::ShapeMismatch {
+                        tensor: p.k.name.clone(),
+                        expected: format!(
+                            "{} rows (kv_heads {n} x head_dim {head_dim}), in = {k_in}",
+                            n * head_dim
+                        ),
+                        found: vec![k_out, k_in],
+                    });
+                }
+                n
+            }
+            None => {
+                if k_out % head_dim != 0 || heads % (k_out / head_dim).max(1) != 0 || k_out == 0 {
+                    return Err(Error::ShapeMismatch {
+                        tensor: p.k.name.clone(),
+                        expected: format!(
+                            "a multiple of head_dim {head_dim} rows whose head count divides {heads}"
+                        ),
+                        found: vec![k_out, k_in],
+                    });
+                }
+                k_out / head_dim
+            }
+        };
+        if v_out % kv_heads != 0 {
+            return Err(Error::ShapeMismatch {
+                tensor: p.v.name.clone(),
+                expected: format!("a multiple of the {kv_heads} key/value heads rows"),
+                found: vec![v_out, v_in],
+            });
+        }
+        if k_in != v_in {
+            return Err(Error::ShapeMismatch {
+                tensor: p.v.name.clone(),
+                expected: format!("input width {k_in} like the key projection"),
+                found: vec![v_out, v_in],
+            });
+        }
+        let v_head_dim = v_out / kv_heads;
+        if let Some(o) = &p.o {
+            let (_o_out, o_in) = o.dims()?;
+            if o_in != heads * v_head_dim {
+                return Err(Error::ShapeMismatch {
+                    tensor: o.name.clone(),
+                    expected: format!("(out, {}) = (out, heads x v_head_dim)", heads * v_head_dim),
+                    found: o.weight.dims().to_vec(),
+                });
+            }
+        }
+        let dtype = p.q.weight.dtype();
+        for w in [&p.k, &p.v].into_iter().chain(p.o.as_ref()) {
+            if w.weight.dtype() != dtype {
+                return Err(Error::WrongDtype {
+                    tensor: w.name.clone(),
+                    expected: format!("{dtype:?} like the query projection"),
+                    found: format!("{:?}", w.weight.dtype()),
+                });
+            }
+        }
+        let qkv = if k_in == hidden {
+            let weight = Tensor::cat(&[&p.q.weight, &p.k.weight, &p.v.weight], 0)?; // (q+k+v, hidden)
+            let bias = if p.q.bias.is_none() && p.k.bias.is_none() && p.v.bias.is_none() {
+                None
+            } else {
+                let or_zeros = |l: &LinearWeights, n: usize| -> Result<Tensor> {
+                    match &l.bias {
+                        Some(b) => Ok(b.clone()),
+                        None => Ok(Tensor::zeros(n, dtype, l.weight.device())?),
+                    }
+                };
+                Some(Tensor::cat(
+                    &[
+                        or_zeros(&p.q, q_out)?,
+                        or_zeros(&p.k, k_out)?,
+                        or_zeros(&p.v, v_out)?,
+                    ],
+                    0,
+                )?)
+            };
+            QkvProjection::Fused { weight, bias }
+        } else {
+            QkvProjection::Separate {
+                q: p.q,
+                k: p.k,
+                v: p.v,
+            }
+        };
+        Ok(Self {
+            qkv,
+            out_proj: p.o,
+            hidden,
+            kv_hidden: k_in,
+            num_heads: heads,
+            num_kv_heads: kv_heads,
+            head_dim,
+            v_head_dim,
+            causal: cfg.causal,
+            scale: cfg.scale,
+        })
+    }
+
+    /// Width of the input activations.
+    pub fn hidden_size(&self) -> usize {
+        self.hidden
+    }
+    /// Width of the output (after W_O, or `heads * v_head_dim` without it).
+    pub fn output_size(&self) -> Result<usize> {
+        Ok(match &self.out_proj {
+            Some(o) => o.dims()?.0,
+            None => self.num_heads * self.v_head_dim,
+        })
+    }
+    /// Query heads.
+    pub fn num_heads(&self) -> usize {
+        self.num_heads
+    }
+    /// Key/value heads.
+    pub fn num_kv_heads(&self) -> usize {
+        self.num_kv_heads
+    }
+    /// Query/key head dimension.
+    pub fn head_dim(&self) -> usize {
+        self.head_dim
+    }
+    /// Value head dimension.
+    pub fn v_head_dim(&self) -> usize {
+        self.v_head_dim
+    }
+    /// Whether self-attention is causal.
+    pub fn is_causal(&self) -> bool {
+        self.causal
+    }
+    /// Whether Q, K and V are one fused matrix multiply.
+    pub fn is_fused(&self) -> bool {
+        matches!(self.qkv, QkvProjection::Fused { .. })
+    }
+    /// Dtype of the weights (inputs must match it).
+    pub fn dtype(&self) -> DType {
+        match &self.qkv {
+            QkvProjection::Fused { weight, .. } => weight.dtype(),
+            QkvProjection::Separate { q, .. } => q.weight.dtype(),
+        }
+    }
+
+    /// Self-attention without the weights (the fast path).
+    ///
+    /// # Shapes
+    /// - `x`: `(batch, seq, hidden)`
+    /// - `mask`: see [`AttentionMask`] (combined with the causal mask when the layer is causal)
+    /// - returns: `context` `(batch, seq, hidden_out)`, `weights` `None`
+    pub fn forward(&self, x: &Tensor, mask: Option<&AttentionMask>) -> Result<AttentionOutput> {
+        self.attend(x, None, mask, false)
+    }
+
+    /// Self-attention that also returns the weights `(batch, heads, seq, seq)`.
+    pub fn forward_with_weights(
+        &self,
+        x: &Tensor,
+        mask: Option<&AttentionMask>,
+    ) -> Result<AttentionOutput> {
+        self.attend(x, None, mask, true)
+    }
+
+    /// Cross-attention: queries from `x`, keys and values from `kv` (a different length is
+    /// fine). The layer's causal flag does not apply; pass a mask for that.
+    ///
+    /// # Shapes
+    /// - `x`: `(batch, seq_q, hidden)`
+    /// - `kv`: `(batch, seq_k, kv_hidden)`
+    /// - `mask`: e.g. [`AttentionMask::padding`] of `(batch, seq_k)`
+    /// - returns: `context` `(batch, seq_q, hidden_out)`, `weights`
+    ///   `(batch, heads, seq_q, seq_k)` when `need_weights`
+    pub fn cross_attention(
+        &self,
+        x: &Tensor,
+        kv: &Tensor,
+        mask: Option<&AttentionMask>,
+        need_weights: bool,
+    ) -> Result<AttentionOutput> {
+        self.attend(x, Some(kv), mask, need_weights)
+    }
+
+    /// Self-attention (`kv = None`) or cross-attention, with or without the weights.
+    pub fn attend(
+        &self,
+        x: &Tensor,
+        kv: Option<&Tensor>,
+        mask: Option<&AttentionMask>,
+        need_weights: bool,
+    ) -> Result<AttentionOutput> {
+        let (b, t, d) = self.check_input("x", x, self.hidden)?;
+        let (h, kvh, hd, vhd) = (
+            self.num_heads,
+            self.num_kv_heads,
+            self.head_dim,
+            self.v_head_dim,
+        );
+        let (q, k, v, s) = match kv {
+            None => {
+                let (q, k, v) = match &self.qkv {
+                    QkvProjection::Fused { weight, bias } => {
+                        let qkv = linear(&x.reshape((b * t, d))?, weight, bias.as_ref())?; // (b*t, q+k+v)
+                        let q = qkv.narrow(1, 0, h * hd)?; // (b*t, h*hd)
+                        let k = qkv.narrow(1, h * hd, kvh * hd)?; // (b*t, kvh*hd)
+                        let v = qkv.narrow(1, (h + kvh) * hd, kvh * vhd)?; // (b*t, kvh*vhd)
+                        (q, k, v)
+                    }
+                    QkvProjection::Separate { .. } => {
+                        return Err(Error::input(
+                            "x",
+                            format!(
+                                "cross-attention: this layer's keys/values read width {} but queries read {}",
+                                self.kv_hidden, self.hidden
+                            ),
+                            "self-attention call",
+                        ))
+                    }
+                };
+                (q, k, v, t)
+            }
+            Some(kv) => {
+                let (bk, s, dk) = self.check_input("kv", kv, self.kv_hidden)?;
+                if bk != b {
+                    return Err(Error::input(
+                        "kv",
+                        format!("batch {b} like x"),
+                        format!("batch {bk}"),
+                    ));
+                }
+                let (wq, bq, wkv, bkv) = self.split_for_cross()?;
+                let q = linear(&x.reshape((b * t, d))?, &wq, bq.as_ref())?; // (b*t, h*hd)
+                let kvp = linear(&kv.reshape((b * s, dk))?, &wkv, bkv.as_ref())?; // (b*s, kvh*(hd+vhd))
+                let k = kvp.narrow(1, 0, kvh * hd)?; // (b*s, kvh*hd)
+                let v = kvp.narrow(1, kvh * hd, kvh * vhd)?; // (b*s, kvh*vhd)
+                (q, k, v, s)
+            }
+        };
+        let q = q.reshape((b, t, h, hd))?.transpose(1, 2)?; // (b, h, t, hd)
+        let k = k.reshape((b, s, kvh, hd))?.transpose(1, 2)?; // (b, kvh, s, hd)
+        let v = v.reshape((b, s, kvh, vhd))?.transpose(1, 2)?; // (b, kvh, s, vhd)
+        let causal = self.causal && kv.is_none();
+        let combined;
+        let mask = match (causal, mask) {
+            (false, m) => m,
+            (true, None) => {
+                combined = AttentionMask::causal();
+                Some(&combined)
+            }
+            (true, Some(m)) => {
+                combined = AttentionMask::causal().and(m.clone());
+                Some(&combined)
+            }
+        };
+        let out = scaled_dot_product_attention(
+            &q,
+            &k,
+            &v,
+            mask,
+            SdpaOptions {
+                scale: self.scale,
+                need_weights,
+            },
+        )?;
+        let ctx = out.context.transpose(1, 2)?.reshape((b, t, h * vhd))?; // (b, t, h*vhd)
+        let context = match &self.out_proj {
+            Some(o) => {
+                let (o_out, _) = o.dims()?;
+                linear(&ctx.reshape((b * t, h * vhd))?, &o.weight, o.bias.as_ref())?
+                    .reshape((b, t, o_out))? // (b, t, out)
+            }
+            None => ctx,
+        };
+        Ok(AttentionOutput {
+            context,
+            weights: out.weights,
+        })
+    }
+
+    fn check_input(&self, name: &str, x: &Tensor, width: usize) -> Result<(usize, usize, usize)> {
+        let (b, t, d) = x.dims3().map_err(|_| {
+            Error::input(
+                name,
+                format!("rank 3 (batch, seq, {width})"),
+                format!("shape {:?}", x.dims()),
+            )
+        })?;
+        if d != width {
+            return Err(Error::input(
+                name,
+                format!("hidden size {width} (batch, seq, {width})"),
+                format!("shape {:?}", x.dims()),
+            ));
+        }
+        if x.dtype() != self.dtype() {
+            return Err(Error::input(
+                name,
+                format!("dtype {:?} (the weights' dtype)", self.dtype()),
+                format!("{:?}", x.dtype()),
+            ));
+        }
+        if t == 0 || b == 0 {
+            return Err(Error::input(
+                name,
+                "at least one sequence of at least one token",
+                format!("shape {:?}", x.dims()),
+            ));
+        }
+        Ok((b, t, d))
+    }
+
+    /// `(W_q, b_q, W_kv, b_kv)` for cross-attention.
+    fn split_for_cross(&self) -> Result<(Tensor, Option<Tensor>, Tensor, Option<Tensor>)> {
+        let (h, kvh, hd, vhd) = (
+            self.num_heads,
+            self.num_kv_heads,
+            self.head_dim,
+            self.v_head_dim,
+        );
+        match &self.qkv {
+            QkvProjection::Fused { weight, bias } => {
+                let q_rows = h * hd;
+                let kv_rows = kvh * (hd + vhd);
+                let wq = weight.narrow(0, 0, q_rows)?;
+                let wkv = weight.narrow(0, q_rows, kv_rows)?;
+                let (bq, bkv) = match bias {
+                    Some(b) => (
+                        Some(b.narrow(0, 0, q_rows)?),
+                        Some(b.narrow(0, q_rows, kv_rows)?),
+                    ),
+                    None => (None, None),
+                };
+                Ok((wq, bq, wkv, bkv))
+            }
+            QkvProjection::Separate { q, k, v } => {
+                let wkv = Tensor::cat(&[&k.weight, &v.weight], 0)?;
+                let bkv = match (&k.bias, &v.bias) {
+                    (None, None) => None,
+                    (kb, vb) => {
+                        let dtype = k.weight.dtype();
+                        let dev = k.weight.device();
+                        let kb = match kb {
+                            Some(b) => b.clone(),
+                            None => Tensor::zeros(kvh * hd, dtype, dev)?,
+                        };
+                        let vb = match vb {
+                            Some(b) => b.clone(),
+                            None => Tensor::zeros(kvh * vhd, dtype, dev)?,
+                        };
+                        Some(Tensor::cat(&[kb, vb], 0)?)
+                    }
+                };
+                Ok((q.weight.clone(), q.bias.clone(), wkv, bkv))
+            }
+        }
+    }
+}
+
+/// `x W^T + b`.
+///
+/// # Shapes
+/// - `x`: `(n, in)`, `weight`: `(out, in)`, `bias`: `(out,)`; returns `(n, out)`
+pub(crate) fn linear(x: &Tensor, weight: &Tensor, bias: Option<&Tensor>) -> Result<Tensor> {
+    let y = x.matmul(&weight.t()?)?;
+    Ok(match bias {
+        Some(b) => y.broadcast_add(b)?,
+        None => y,
+    })
+}
+
+impl Module for MultiHeadSelfAttention {
+    fn forward(&self, xs: &Tensor) -> candle_core::Result<Tensor> {
+        MultiHeadSelfAttention::forward(self, xs, None)
+            .map(|o| o.context)
+            .map_err(Error::into_candle)
+    }
+}

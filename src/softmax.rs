@@ -1,0 +1,58 @@
+//! Numerically stable, mask-aware softmax in f32.
+
+use candle_core::{DType, Tensor, D};
+
+use crate::error::Result;
+
+/// Softmax over the last dimension, computed in f32 whatever the input dtype, subtracting
+/// the row max. `bias` (0 / `-inf` / finite values, broadcastable to `scores`) is added
+/// first. Entries at `-inf` get exactly 0; a row that is entirely `-inf` gets all zeros
+/// (not NaN, which is what a plain softmax gives there).
+///
+/// # Shapes
+/// - `scores`: `(batch, heads, seq_q, seq_k)` (any rank works; the last dim is normalised)
+/// - `bias`: broadcastable to `scores`
+/// - returns: same shape as `scores`, f32
+pub fn masked_softmax(scores: &Tensor, bias: Option<&Tensor>) -> Result<Tensor> {
+    let s = scores.to_dtype(DType::F32)?;
+    let s = match bias {
+        Some(bias) => s.broadcast_add(&bias.to_dtype(DType::F32)?)?,
+        None => s,
+    };
+    // A fully masked row has max = -inf; clamping makes `s - max` = -inf there (so exp = 0)
+    // and leaves every finite max unchanged.
+    let max = s.max_keepdim(D::Minus1)?.clamp(f32::MIN, f32::MAX)?;
+    let e = s.broadcast_sub(&max)?.exp()?;
+    // Every row with a visible key holds exp(0) = 1, so its sum is >= 1 and the clamp is a
+    // no-op; a fully masked row sums to 0 and divides into zeros.
+    let sum = e
+        .sum_keepdim(D::Minus1)?
+        .clamp(f32::MIN_POSITIVE, f32::INFINITY)?;
+    Ok(e.broadcast_div(&sum)?)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use candle_core::Device;
+
+    #[test]
+    fn fully_masked_row_is_zero_not_nan() -> Result<()> {
+        let s = Tensor::new(&[[1f32, 2., 3.], [4., 5., 6.]], &Device::Cpu)?;
+        let inf = f32::NEG_INFINITY;
+        let bias = Tensor::new(&[[0f32, inf, 0.], [inf, inf, inf]], &Device::Cpu)?;
+        let p: Vec<Vec<f32>> = masked_softmax(&s, Some(&bias))?.to_vec2()?;
+        assert_eq!(p[1], vec![0.0, 0.0, 0.0]);
+        assert_eq!(p[0][1], 0.0);
+        assert!((p[0][0] + p[0][2] - 1.0).abs() < 1e-6);
+        Ok(())
+    }
+
+    #[test]
+    fn large_logits_stay_finite() -> Result<()> {
+        let s = Tensor::new(&[[1e4f32, -1e4, 0.0]], &Device::Cpu)?;
+        let p: Vec<Vec<f32>> = masked_softmax(&s, None)?.to_vec2()?;
+        assert_eq!(p[0], vec![1.0, 0.0, 0.0]);
+        Ok(())
+    }
+}
