@@ -27,24 +27,30 @@
 //! # Ok(()) }
 //! ```
 
+mod bert;
 mod checkpoint;
 mod config;
 mod error;
 mod layout;
 mod mask;
+mod model;
 mod multi_head;
 mod output;
 mod sdpa;
 mod single_head;
 mod softmax;
+mod text;
 
+pub use bert::{l2_normalize, mean_pool, Activation, BertEncoder, BertLayer, EncoderOutput};
 pub use checkpoint::Checkpoint;
 pub use config::{AttentionConfig, HfConfig};
 pub use error::{Error, Result};
 pub use layout::{LinearWeights, Projections, WeightLayout};
 pub use mask::{AttentionMask, MaskPart};
+pub use model::{default_model_dir, Model, ModelFiles, ModelResolver};
 pub use multi_head::MultiHeadSelfAttention;
 pub use output::AttentionOutput;
 pub use sdpa::{scaled_dot_product_attention, SdpaOptions};
 pub use single_head::SingleHeadSelfAttention;
 pub use softmax::masked_softmax;
+pub use text::{EncodedBatch, EncodedText, TextEncoder};

@@ -1,0 +1,364 @@
+//! A BERT-family encoder assembled from this crate's [`MultiHeadSelfAttention`] and
+//! candle-nn parts: embeddings (word + position + token type, LayerNorm), then per layer
+//! attention, residual + LayerNorm, feed-forward, residual + LayerNorm.
+
+use candle_core::{DType, Tensor};
+use candle_nn::{Embedding, LayerNorm, Module, VarBuilder};
+
+use crate::config::{AttentionConfig, HfConfig};
+use crate::error::{Error, Result};
+use crate::layout::WeightLayout;
+use crate::mask::AttentionMask;
+use crate::multi_head::{linear, MultiHeadSelfAttention};
+
+/// The feed-forward activations BERT-family configs name.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Activation {
+    /// `gelu`: the exact, erf-based GELU.
+    Gelu,
+    /// `gelu_new`, `gelu_pytorch_tanh`, `gelu_fast`: the tanh approximation.
+    GeluTanh,
+    /// `relu`
+    Relu,
+    /// `silu` / `swish`
+    Silu,
+}
+
+impl Activation {
+    /// Parses a config's `hidden_act`.
+    pub fn from_name(name: &str) -> Result<Self> {
+        match name {
+            "gelu" => Ok(Self::Gelu),
+            "gelu_new" | "gelu_pytorch_tanh" | "gelu_fast" => Ok(Self::GeluTanh),
+            "relu" => Ok(Self::Relu),
+            "silu" | "swish" => Ok(Self::Silu),
+            other => Err(Error::config(format!("unsupported hidden_act `{other}`"))),
+        }
+    }
+
+    fn apply(&self, xs: &Tensor) -> Result<Tensor> {
+        Ok(match self {
+            Self::Gelu => xs.gelu_erf()?,
+            Self::GeluTanh => xs.gelu()?,
+            Self::Relu => xs.relu()?,
+            Self::Silu => xs.silu()?,
+        })
+    }
+}
+
+/// `LayerNorm` loaded from `weight`/`bias` (or the old `gamma`/`beta`).
+fn layer_norm(vb: VarBuilder, size: usize, eps: f64) -> Result<LayerNorm> {
+    let (w, b) = if vb.contains_tensor("weight") || !vb.contains_tensor("gamma") {
+        (vb.get(size, "weight")?, vb.get(size, "bias")?)
+    } else {
+        (vb.get(size, "gamma")?, vb.get(size, "beta")?)
+    };
+    Ok(LayerNorm::new(w, b, eps))
+}
+
+/// A dense layer `(out, in)` with bias, checked against the expected sizes.
+struct Dense {
+    weight: Tensor,
+    bias: Tensor,
+}
+
+impl Dense {
+    fn load(vb: VarBuilder, in_dim: usize, out_dim: usize) -> Result<Self> {
+        Ok(Self {
+            weight: vb.get((out_dim, in_dim), "weight")?,
+            bias: vb.get(out_dim, "bias")?,
+        })
+    }
+
+    /// # Shapes
+    /// - `x`: `(batch, seq, in)`; returns `(batch, seq, out)`
+    fn forward(&self, x: &Tensor) -> Result<Tensor> {
+        let (b, t, d) = x.dims3()?;
+        let out = self.weight.dim(0)?;
+        Ok(
+            linear(&x.reshape((b * t, d))?, &self.weight, Some(&self.bias))?
+                .reshape((b, t, out))?,
+        )
+    }
+}
+
+/// Word + position + token type embeddings, then LayerNorm.
+struct BertEmbeddings {
+    word: Embedding,
+    position: Embedding,
+    token_type: Embedding,
+    norm: LayerNorm,
+    max_positions: usize,
+}
+
+impl BertEmbeddings {
+    fn load(vb: VarBuilder, cfg: &HfConfig) -> Result<Self> {
+        let d = cfg.hidden_size;
+        let table = |name: &str| -> Result<Embedding> {
+            let w = vb.pp(name).get_unchecked("weight")?;
+            let (_n, width) = w.dims2().map_err(|_| Error::ShapeMismatch {
+                tensor: format!("{}.{name}.weight", vb.prefix()),
+                expected: format!("(rows, {d})"),
+                found: w.dims().to_vec(),
+            })?;
+            if width != d {
+                return Err(Error::ShapeMismatch {
+                    tensor: format!("{}.{name}.weight", vb.prefix()),
+                    expected: format!("(rows, {d})"),
+                    found: w.dims().to_vec(),
+                });
+            }
+            Ok(Embedding::new(w, d))
+        };
+        let position = table("position_embeddings")?;
+        let max_positions = position.embeddings().dim(0)?;
+        Ok(Self {
+            word: table("word_embeddings")?,
+            position,
+            token_type: table("token_type_embeddings")?,
+            norm: layer_norm(vb.pp("LayerNorm"), d, cfg.layer_norm_eps)?,
+            max_positions,
+        })
+    }
+
+    /// # Shapes
+    /// - `input_ids`, `token_type_ids`: `(batch, seq)`; returns `(batch, seq, hidden)`
+    fn forward(&self, input_ids: &Tensor, token_type_ids: &Tensor) -> Result<Tensor> {
+        let (_b, t) = input_ids.dims2()?;
+        if t > self.max_positions {
+            return Err(Error::SequenceTooLong {
+                len: t,
+                max: self.max_positions,
+            });
+        }
+        let positions = Tensor::arange(0u32, t as u32, input_ids.device())?.unsqueeze(0)?; // (1, t)
+        let words = self.word.forward(input_ids)?; // (b, t, d)
+        let types = self.token_type.forward(token_type_ids)?; // (b, t, d)
+        let pos = self.position.forward(&positions)?; // (1, t, d)
+        let x = (words + types)?.broadcast_add(&pos)?;
+        Ok(self.norm.forward(&x)?)
+    }
+}
+
+/// One transformer layer of a BERT encoder.
+pub struct BertLayer {
+    attention: MultiHeadSelfAttention,
+    attention_norm: LayerNorm,
+    intermediate: Dense,
+    output: Dense,
+    output_norm: LayerNorm,
+    activation: Activation,
+}
+
+impl BertLayer {
+    /// Loads `attention.*`, `intermediate.dense`, `output.dense`, `output.LayerNorm`.
+    pub fn load(vb: VarBuilder, cfg: &HfConfig) -> Result<Self> {
+        let d = cfg.hidden_size;
+        let attn_cfg = AttentionConfig::new(WeightLayout::Bert, cfg.num_attention_heads);
+        let attention = MultiHeadSelfAttention::load(vb.pp("attention"), &attn_cfg)?;
+        if attention.hidden_size() != d {
+            return Err(Error::ShapeMismatch {
+                tensor: format!("{}.attention.self.query.weight", vb.prefix()),
+                expected: format!("(_, {d}) for hidden_size {d}"),
+                found: vec![
+                    attention.num_heads() * attention.head_dim(),
+                    attention.hidden_size(),
+                ],
+            });
+        }
+        let inter = match cfg.intermediate_size {
+            Some(i) => i,
+            None => vb
+                .pp("intermediate")
+                .pp("dense")
+                .get_unchecked("weight")?
+                .dim(0)?,
+        };
+        Ok(Self {
+            attention,
+            attention_norm: layer_norm(
+                vb.pp("attention").pp("output").pp("LayerNorm"),
+                d,
+                cfg.layer_norm_eps,
+            )?,
+            intermediate: Dense::load(vb.pp("intermediate").pp("dense"), d, inter)?,
+            output: Dense::load(vb.pp("output").pp("dense"), inter, d)?,
+            output_norm: layer_norm(vb.pp("output").pp("LayerNorm"), d, cfg.layer_norm_eps)?,
+            activation: Activation::from_name(&cfg.hidden_act)?,
+        })
+    }
+
+    /// The layer's attention module.
+    pub fn attention(&self) -> &MultiHeadSelfAttention {
+        &self.attention
+    }
+
+    /// # Shapes
+    /// - `x`: `(batch, seq, hidden)`; returns `(batch, seq, hidden)` and, when asked,
+    ///   the weights `(batch, heads, seq, seq)`
+    pub fn forward(
+        &self,
+        x: &Tensor,
+        mask: Option<&AttentionMask>,
+        need_weights: bool,
+    ) -> Result<(Tensor, Option<Tensor>)> {
+        let attn = self.attention.attend(x, None, mask, need_weights)?;
+        let h = self.attention_norm.forward(&(attn.context + x)?)?;
+        let ff = self.activation.apply(&self.intermediate.forward(&h)?)?;
+        let out = self
+            .output_norm
+            .forward(&(self.output.forward(&ff)? + h)?)?;
+        Ok((out, attn.weights))
+    }
+}
+
+/// What [`BertEncoder::forward`] returns.
+#[derive(Debug, Clone)]
+pub struct EncoderOutput {
+    /// `(batch, seq, hidden)`: the last layer's hidden states.
+    pub hidden_states: Tensor,
+    /// One `(batch, heads, seq, seq)` f32 tensor per layer, when asked for.
+    pub attentions: Option<Vec<Tensor>>,
+}
+
+/// A BERT-family encoder (BERT, MiniLM, all-MiniLM-L6-v2, bert-base-uncased, ...).
+pub struct BertEncoder {
+    embeddings: BertEmbeddings,
+    layers: Vec<BertLayer>,
+    config: HfConfig,
+    dtype: DType,
+}
+
+impl BertEncoder {
+    /// Loads the encoder from a checkpoint root; tensors may sit under `bert.` (as in
+    /// `BertForPreTraining` checkpoints) or at the top level (as in `BertModel`).
+    pub fn load(vb: VarBuilder, cfg: &HfConfig) -> Result<Self> {
+        cfg.validate()?;
+        if cfg.position_embedding_type != "absolute" {
+            return Err(Error::config(format!(
+                "position_embedding_type `{}` is not supported (only `absolute`)",
+                cfg.position_embedding_type
+            )));
+        }
+        let vb = if !vb.contains_tensor("embeddings.word_embeddings.weight")
+            && vb.contains_tensor("bert.embeddings.word_embeddings.weight")
+        {
+            vb.pp("bert")
+        } else {
+            vb
+        };
+        let dtype = vb.dtype();
+        let embeddings = BertEmbeddings::load(vb.pp("embeddings"), cfg)?;
+        let layers = (0..cfg.num_hidden_layers)
+            .map(|i| BertLayer::load(vb.pp(format!("encoder.layer.{i}")), cfg))
+            .collect::<Result<Vec<_>>>()?;
+        Ok(Self {
+            embeddings,
+            layers,
+            config: cfg.clone(),
+            dtype,
+        })
+    }
+
+    /// The model config.
+    pub fn config(&self) -> &HfConfig {
+        &self.config
+    }
+
+    /// The layers.
+    pub fn layers(&self) -> &[BertLayer] {
+        &self.layers
+    }
+
+    /// Number of positions the model has.
+    pub fn max_positions(&self) -> usize {
+        self.embeddings.max_positions
+    }
+
+    /// Dtype of the weights.
+    pub fn dtype(&self) -> DType {
+        self.dtype
+    }
+
+    /// Runs the encoder.
+    ///
+    /// # Shapes
+    /// - `input_ids`: `(batch, seq)` integer
+    /// - `token_type_ids`: `(batch, seq)`, zeros when `None`
+    /// - `attention_mask`: `(batch, seq)` 0/1, 1 = real token
+    /// - returns: hidden states `(batch, seq, hidden)`, attentions per layer
+    ///   `(batch, heads, seq, seq)` when `output_attentions`
+    pub fn forward(
+        &self,
+        input_ids: &Tensor,
+        token_type_ids: Option<&Tensor>,
+        attention_mask: Option<&Tensor>,
+        output_attentions: bool,
+    ) -> Result<EncoderOutput> {
+        let (b, t) = input_ids.dims2().map_err(|_| {
+            Error::input(
+                "input_ids",
+                "rank 2 (batch, seq)",
+                format!("shape {:?}", input_ids.dims()),
+            )
+        })?;
+        if b == 0 || t == 0 {
+            return Err(Error::input(
+                "input_ids",
+                "at least one token",
+                format!("shape {:?}", input_ids.dims()),
+            ));
+        }
+        let zeros;
+        let token_type_ids = match token_type_ids {
+            Some(t) => t,
+            None => {
+                zeros = input_ids.zeros_like()?;
+                &zeros
+            }
+        };
+        let mask = match attention_mask {
+            Some(m) => Some(AttentionMask::padding(m)?),
+            None => None,
+        };
+        let mut x = self.embeddings.forward(input_ids, token_type_ids)?;
+        let mut attentions = output_attentions.then(Vec::new);
+        for layer in &self.layers {
+            let (next, w) = layer.forward(&x, mask.as_ref(), output_attentions)?;
+            x = next;
+            if let (Some(all), Some(w)) = (attentions.as_mut(), w) {
+                all.push(w);
+            }
+        }
+        Ok(EncoderOutput {
+            hidden_states: x,
+            attentions,
+        })
+    }
+}
+
+/// Mean of the hidden states over real tokens (sentence-transformers' mean pooling).
+///
+/// # Shapes
+/// - `hidden`: `(batch, seq, hidden)`, `attention_mask`: `(batch, seq)` 0/1
+/// - returns: `(batch, hidden)` f32
+pub fn mean_pool(hidden: &Tensor, attention_mask: &Tensor) -> Result<Tensor> {
+    let h = hidden.to_dtype(DType::F32)?;
+    let m = attention_mask.to_dtype(DType::F32)?.unsqueeze(2)?; // (b, t, 1)
+    let sum = h.broadcast_mul(&m)?.sum(1)?; // (b, hidden)
+    let count = m.sum(1)?.clamp(1e-9f32, f32::INFINITY)?; // (b, 1)
+    Ok(sum.broadcast_div(&count)?)
+}
+
+/// Rows scaled to unit L2 norm.
+///
+/// # Shapes
+/// - `x`: `(batch, dim)`; returns `(batch, dim)`
+pub fn l2_normalize(x: &Tensor) -> Result<Tensor> {
+    let norm = x
+        .sqr()?
+        .sum_keepdim(1)?
+        .sqrt()?
+        .clamp(1e-12f32, f32::INFINITY)?;
+    Ok(x.broadcast_div(&norm)?)
+}

@@ -1,0 +1,271 @@
+//! Model resolution: a local directory, or a Hugging Face model id looked up in the local
+//! hub cache first and downloaded (blocking, through `hf-hub`) only when online; the
+//! default is the all-MiniLM-L6-v2 copy shipped in `weights/`.
+
+use std::path::{Path, PathBuf};
+
+use candle_core::{DType, Device};
+
+use crate::bert::BertEncoder;
+use crate::checkpoint::Checkpoint;
+use crate::config::HfConfig;
+use crate::error::{Error, Result};
+use crate::text::TextEncoder;
+
+/// The files of a model.
+#[derive(Debug, Clone, PartialEq)]
+pub struct ModelFiles {
+    /// How the user named the model (directory or model id).
+    pub name: String,
+    pub config: PathBuf,
+    pub tokenizer: PathBuf,
+    /// One file, or the shards of a sharded checkpoint.
+    pub weights: Vec<PathBuf>,
+}
+
+/// The directory of the shipped default model (sentence-transformers/all-MiniLM-L6-v2,
+/// f16), `weights/` in this crate.
+pub fn default_model_dir() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("weights")
+}
+
+/// Finds a model's files.
+#[derive(Debug, Clone, Default)]
+pub struct ModelResolver {
+    /// Hub cache directory; `None` uses `HF_HUB_CACHE`, else `$HF_HOME/hub`, else
+    /// `~/.cache/huggingface/hub`.
+    pub cache_dir: Option<PathBuf>,
+    /// Never download (also implied by `HF_HUB_OFFLINE=1`).
+    pub offline: bool,
+}
+
+impl ModelResolver {
+    /// A resolver with the default cache and network policy.
+    pub fn new() -> Self {
+        Self::default()
+    }
+
+    /// Resolves `spec`: `None` = the shipped default; an existing directory; or a
+    /// Hugging Face model id `org/name`, optionally `org/name@revision`.
+    pub fn resolve(&self, spec: Option<&str>) -> Result<ModelFiles> {
+        let Some(spec) = spec else {
+            let dir = default_model_dir();
+            return from_dir(&dir, "weights");
+        };
+        let path = Path::new(spec);
+        if path.is_dir() {
+            return from_dir(path, spec);
+        }
+        let looks_like_path = spec.starts_with('.')
+            || spec.starts_with('/')
+            || spec.starts_with('~')
+            || spec.contains('\\')
+            || spec.matches('/').count() > 1;
+        if looks_like_path || path.exists() {
+            return Err(Error::Model {
+                model: spec.to_string(),
+                reason: if path.exists() {
+                    "it is a file; give the directory that holds config.json, tokenizer.json and model.safetensors".to_string()
+                } else {
+                    "no such directory".to_string()
+                },
+            });
+        }
+        self.from_hub(spec)
+    }
+
+    #[cfg(feature = "hub")]
+    fn from_hub(&self, spec: &str) -> Result<ModelFiles> {
+        use hf_hub::{Cache, Repo, RepoType};
+        let (id, revision) = match spec.split_once('@') {
+            Some((id, rev)) => (id, rev),
+            None => (spec, "main"),
+        };
+        let model_err = |reason: String| Error::Model {
+            model: spec.to_string(),
+            reason,
+        };
+        let cache = match (&self.cache_dir, std::env::var_os("HF_HUB_CACHE")) {
+            (Some(dir), _) => Cache::new(dir.clone()),
+            (None, Some(dir)) => Cache::new(PathBuf::from(dir)),
+            (None, None) => Cache::from_env(),
+        };
+        let repo = Repo::with_revision(id.to_string(), RepoType::Model, revision.to_string());
+        let cached = cache.repo(repo.clone());
+        let offline = self.offline
+            || std::env::var("HF_HUB_OFFLINE").is_ok_and(|v| !v.is_empty() && v != "0");
+
+        // Local cache first.
+        let from_cache = |file: &str| cached.get(file);
+        let mut missing = Vec::new();
+        let config = from_cache("config.json");
+        let tokenizer = from_cache("tokenizer.json");
+        let weights = match from_cache("model.safetensors") {
+            Some(p) => Some(vec![p]),
+            None => from_cache("model.safetensors.index.json")
+                .map(|index| {
+                    shard_names(&index)?
+                        .iter()
+                        .map(|s| {
+                            from_cache(s).ok_or_else(|| {
+                                model_err(format!("shard {s} missing from the cache"))
+                            })
+                        })
+                        .collect::<Result<Vec<_>>>()
+                })
+                .transpose()
+                .ok()
+                .flatten(),
+        };
+        if config.is_none() {
+            missing.push("config.json");
+        }
+        if tokenizer.is_none() {
+            missing.push("tokenizer.json");
+        }
+        if weights.is_none() {
+            missing.push("model.safetensors");
+        }
+        if let (Some(config), Some(tokenizer), Some(weights)) = (config, tokenizer, weights) {
+            return Ok(ModelFiles {
+                name: spec.to_string(),
+                config,
+                tokenizer,
+                weights,
+            });
+        }
+        if offline {
+            return Err(model_err(format!(
+                "offline and not in the hub cache {} (missing {})",
+                cache.path().display(),
+                missing.join(", ")
+            )));
+        }
+
+        // Download what is missing (blocking).
+        let api = hf_hub::api::sync::ApiBuilder::from_cache(cache.clone())
+            .with_progress(false)
+            .build()
+            .map_err(|e| model_err(format!("cannot start the hub client: {e}")))?;
+        let remote = api.repo(repo);
+        let get = |file: &str| {
+            remote.get(file).map_err(|e| {
+                model_err(format!(
+                    "{file} is not in the hub cache {} and downloading it failed: {e}",
+                    cache.path().display()
+                ))
+            })
+        };
+        let config = get("config.json")?;
+        let tokenizer = get("tokenizer.json")?;
+        let weights = match get("model.safetensors") {
+            Ok(p) => vec![p],
+            Err(single_err) => match get("model.safetensors.index.json") {
+                Ok(index) => shard_names(&index)?
+                    .iter()
+                    .map(|s| get(s))
+                    .collect::<Result<Vec<_>>>()?,
+                Err(_) => return Err(single_err),
+            },
+        };
+        Ok(ModelFiles {
+            name: spec.to_string(),
+            config,
+            tokenizer,
+            weights,
+        })
+    }
+
+    #[cfg(not(feature = "hub"))]
+    fn from_hub(&self, spec: &str) -> Result<ModelFiles> {
+        Err(Error::Model {
+            model: spec.to_string(),
+            reason: "not a local directory, and this build has no Hugging Face hub support (enable the `hub` feature)".to_string(),
+        })
+    }
+}
+
+/// The model files in a local directory.
+fn from_dir(dir: &Path, name: &str) -> Result<ModelFiles> {
+    let need = |file: &str| -> Result<PathBuf> {
+        let p = dir.join(file);
+        if p.is_file() {
+            Ok(p)
+        } else {
+            Err(Error::Model {
+                model: name.to_string(),
+                reason: format!("{} has no {file}", dir.display()),
+            })
+        }
+    };
+    let config = need("config.json")?;
+    let tokenizer = need("tokenizer.json")?;
+    let single = dir.join("model.safetensors");
+    let weights = if single.is_file() {
+        vec![single]
+    } else {
+        let index = need("model.safetensors").or_else(|_| need("model.safetensors.index.json"))?;
+        shard_names(&index)?
+            .iter()
+            .map(|s| need(s))
+            .collect::<Result<Vec<_>>>()?
+    };
+    Ok(ModelFiles {
+        name: name.to_string(),
+        config,
+        tokenizer,
+        weights,
+    })
+}
+
+/// Shard file names of a `model.safetensors.index.json`.
+fn shard_names(index: &Path) -> Result<Vec<String>> {
+    let text = std::fs::read_to_string(index).map_err(|source| Error::Io {
+        path: index.to_path_buf(),
+        source,
+    })?;
+    let value: serde_json::Value = serde_json::from_str(&text).map_err(|e| Error::Config {
+        path: Some(index.to_path_buf()),
+        message: e.to_string(),
+    })?;
+    let map = value["weight_map"]
+        .as_object()
+        .ok_or_else(|| Error::Config {
+            path: Some(index.to_path_buf()),
+            message: "no `weight_map` object".to_string(),
+        })?;
+    let mut shards: Vec<String> = map
+        .values()
+        .filter_map(|v| v.as_str().map(str::to_string))
+        .collect();
+    shards.sort();
+    shards.dedup();
+    Ok(shards)
+}
+
+/// A loaded BERT-family model: config, tokenizer and encoder.
+pub struct Model {
+    pub files: ModelFiles,
+    pub config: HfConfig,
+    pub text: TextEncoder,
+    pub encoder: BertEncoder,
+}
+
+impl Model {
+    /// Loads the model's config, tokenizer and weights (converted to `dtype` on `device`).
+    /// `truncate` cuts texts longer than the model's positions instead of failing.
+    pub fn load(files: ModelFiles, dtype: DType, device: &Device, truncate: bool) -> Result<Self> {
+        let config = HfConfig::from_file(&files.config)?;
+        let ckpt = Checkpoint::open_many(&files.weights)?;
+        let encoder = BertEncoder::load(ckpt.var_builder(dtype, device), &config)?;
+        let text = TextEncoder::from_file(&files.tokenizer)?
+            .with_max_positions(encoder.max_positions())?
+            .with_truncation(truncate)?;
+        Ok(Self {
+            files,
+            config,
+            text,
+            encoder,
+        })
+    }
+}
