@@ -138,7 +138,7 @@ impl HfConfig {
         })?;
         let cfg: HfConfig = serde_json::from_str(&text).map_err(|e| Error::Config {
             path: Some(path.to_path_buf()),
-            message: e.to_string(),
+            message: describe_json_error(&text, &e),
         })?;
         cfg.validate().map_err(|e| match e {
             Error::Config { message, .. } => Error::Config {
@@ -205,6 +205,42 @@ impl HfConfig {
     }
 }
 
+/// serde's message for a value of the wrong type or range does not say which field holds
+/// it (``invalid value: integer `-3`, expected usize at line 2 column 18``); this names the
+/// key written right before the error position.
+fn describe_json_error(text: &str, err: &serde_json::Error) -> String {
+    let message = err.to_string();
+    let about_a_value = ["invalid type", "invalid value", "invalid length"]
+        .iter()
+        .any(|p| message.starts_with(p));
+    if !about_a_value {
+        return message;
+    }
+    match key_before(text, err.line(), err.column()) {
+        Some(key) => format!("field `{key}`: {message}"),
+        None => message,
+    }
+}
+
+/// The last `"key":` that starts before `line`/`column` (1-based line, byte column).
+fn key_before(text: &str, line: usize, column: usize) -> Option<String> {
+    let line_start: usize = text
+        .split_inclusive('\n')
+        .take(line.saturating_sub(1))
+        .map(str::len)
+        .sum();
+    let mut end = (line_start + column).min(text.len());
+    while !text.is_char_boundary(end) {
+        end -= 1;
+    }
+    let before = &text[..end];
+    before.rmatch_indices(':').find_map(|(colon, _)| {
+        let key = before[..colon].trim_end().strip_suffix('"')?;
+        let open = key.rfind('"')?;
+        Some(key[open + 1..].to_string())
+    })
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -256,5 +292,19 @@ mod tests {
             r#"{"hidden_size":-3,"num_attention_heads":1,"num_hidden_layers":1}"#
         )
         .is_err());
+    }
+
+    #[test]
+    fn json_errors_name_the_field() {
+        let text = "{\n  \"num_attention_heads\": 2,\n  \"hidden_size\": -3,\n  \"num_hidden_layers\": 1\n}";
+        let err = serde_json::from_str::<HfConfig>(text).expect_err("negative size");
+        let message = describe_json_error(text, &err);
+        assert!(
+            message.starts_with("field `hidden_size`: invalid value"),
+            "{message}"
+        );
+        let text = r#"{"hidden_size":8,"num_hidden_layers":1}"#;
+        let err = serde_json::from_str::<HfConfig>(text).expect_err("missing heads");
+        assert!(describe_json_error(text, &err).starts_with("missing field `num_attention_heads`"));
     }
 }

@@ -30,6 +30,7 @@
 mod bert;
 mod checkpoint;
 mod config;
+mod device;
 mod error;
 mod layout;
 mod mask;
@@ -40,17 +41,24 @@ mod sdpa;
 mod single_head;
 mod softmax;
 mod text;
+pub mod viz;
 
 pub use bert::{l2_normalize, mean_pool, Activation, BertEncoder, BertLayer, EncoderOutput};
 pub use checkpoint::Checkpoint;
 pub use config::{AttentionConfig, HfConfig};
+pub use device::{parse_dtype, select_device};
 pub use error::{Error, Result};
 pub use layout::{LinearWeights, Projections, WeightLayout};
 pub use mask::{AttentionMask, MaskPart};
-pub use model::{default_model_dir, Model, ModelFiles, ModelResolver};
+pub use model::{default_model_dir, Model, ModelFiles, ModelResolver, DEFAULT_MODEL_NAME};
 pub use multi_head::MultiHeadSelfAttention;
 pub use output::AttentionOutput;
 pub use sdpa::{scaled_dot_product_attention, SdpaOptions};
 pub use single_head::SingleHeadSelfAttention;
 pub use softmax::masked_softmax;
 pub use text::{EncodedBatch, EncodedText, TextEncoder};
+
+/// The README's code examples, compiled and run as doctests.
+#[cfg(doctest)]
+#[doc = include_str!("../README.md")]
+pub struct ReadmeDoctests;

@@ -23,6 +23,9 @@ pub struct ModelFiles {
     pub weights: Vec<PathBuf>,
 }
 
+/// Name reported for the shipped default model.
+pub const DEFAULT_MODEL_NAME: &str = "sentence-transformers/all-MiniLM-L6-v2";
+
 /// The directory of the shipped default model (sentence-transformers/all-MiniLM-L6-v2,
 /// f16), `weights/` in this crate.
 pub fn default_model_dir() -> PathBuf {
@@ -50,7 +53,7 @@ impl ModelResolver {
     pub fn resolve(&self, spec: Option<&str>) -> Result<ModelFiles> {
         let Some(spec) = spec else {
             let dir = default_model_dir();
-            return from_dir(&dir, "weights");
+            return from_dir(&dir, DEFAULT_MODEL_NAME);
         };
         let path = Path::new(spec);
         if path.is_dir() {

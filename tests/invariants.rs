@@ -668,7 +668,7 @@ fn half_precision_bert_layer_with_padding_is_nan_free() -> anyhow::Result<()> {
     let lengths = [8usize, 3, 0];
     let mask = AttentionMask::padding(&padding_mask(&lengths, 8)?)?;
     let reference = bert_layer(4, DType::F32)?.forward_with_weights(&x32, Some(&mask))?;
-    for (dtype, tol) in [(DType::F16, 0.05f32), (DType::BF16, 0.5)] {
+    for (dtype, tol) in [(DType::F16, 0.02f32), (DType::BF16, 0.2)] {
         let bert = bert_layer(4, dtype)?;
         assert_eq!(bert.dtype(), dtype);
         let x = x32.to_dtype(dtype)?;
@@ -686,7 +686,7 @@ fn half_precision_bert_layer_with_padding_is_nan_free() -> anyhow::Result<()> {
             !has_non_finite(&fast.context)?,
             "{dtype:?}: non-finite fast context"
         );
-        // Close to the f32 layer (loosely: half-precision storage) on the real rows.
+        // Close to the f32 layer on the real rows (measured: f16 ~4e-3, bf16 ~3e-2).
         for (b, &n) in lengths.iter().enumerate() {
             if n > 0 {
                 assert_close(

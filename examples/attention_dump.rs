@@ -1,0 +1,296 @@
+//! Who attends to whom: every layer and head of a pretrained encoder on your sentences.
+//!
+//! ```text
+//! cargo run --release --example attention_dump -- "The animal didn't cross the street because it was too tired."
+//! cargo run --release --example attention_dump -- --format json "one" "two"   # JSON Lines
+//! cargo run --release --example attention_dump -- --html view.html "a sentence"
+//! ```
+
+use std::io::{BufWriter, IsTerminal, Write};
+use std::path::PathBuf;
+use std::process::ExitCode;
+use std::time::Instant;
+
+use anyhow::{bail, Context};
+use candle_attention::viz::{
+    render_heatmap, render_html, AttentionDump, DumpSelection, HeatmapStyle,
+};
+use candle_attention::{parse_dtype, select_device, Model, ModelResolver};
+use clap::{Parser, ValueEnum};
+
+#[derive(Copy, Clone, Debug, PartialEq, Eq, ValueEnum)]
+enum Format {
+    /// Tokens and a colored heatmap of one head, for a person.
+    Text,
+    /// One compact JSON object per sentence (JSON Lines):
+    /// {"model", "text", "tokens", "shape": [layers, heads, seq, seq], "attentions"}.
+    Json,
+}
+
+#[derive(Parser, Debug)]
+#[command(
+    about = "Show which token attends to which, in every layer and head of a pretrained encoder",
+    after_help = "attentions[l][h][i][j] is the weight query token i gives key token j in layer l, head h.\n\
+                  With --words, word pieces are merged into words: a word's weight as a key is the SUM over its \
+                  pieces, as a query the MEAN over its pieces (rows still sum to 1)."
+)]
+struct Args {
+    /// Sentences to analyse (batched together; each result equals running it alone).
+    sentences: Vec<String>,
+    /// Read sentences from a UTF-8 file, one per line (blank lines are skipped).
+    #[arg(long)]
+    file: Option<PathBuf>,
+    /// Model: a local directory (config.json, tokenizer.json, model.safetensors) or a
+    /// Hugging Face model id (hub cache first, download only when online). Default: the
+    /// shipped all-MiniLM-L6-v2 in weights/.
+    #[arg(long)]
+    model: Option<String>,
+    /// Output format on stdout.
+    #[arg(long, value_enum, default_value_t = Format::Text)]
+    format: Format,
+    /// Write the JSON Lines to this file instead of stdout.
+    #[arg(long)]
+    out: Option<PathBuf>,
+    /// Write a self-contained interactive HTML page (head view + model view).
+    #[arg(long)]
+    html: Option<PathBuf>,
+    /// Only this layer (0-based) in the JSON; the layer shown in the heatmap.
+    #[arg(long)]
+    layer: Option<usize>,
+    /// Only this head (0-based) in the JSON; the head shown in the heatmap.
+    #[arg(long)]
+    head: Option<usize>,
+    /// Merge word pieces into words (key weights summed, query weights averaged).
+    #[arg(long)]
+    words: bool,
+    /// cpu, cuda[:N], metal[:N] or auto.
+    #[arg(long, default_value = "cpu")]
+    device: String,
+    /// Weights and compute dtype: f32, f16 or bf16 (the softmax is always f32).
+    #[arg(long, default_value = "f32")]
+    dtype: String,
+    /// Cut sentences longer than the model's positions instead of failing.
+    #[arg(long)]
+    truncate: bool,
+    /// Sentences per forward pass.
+    #[arg(long, default_value_t = 32)]
+    batch_size: usize,
+    /// Plain characters instead of colors (also when NO_COLOR is set or stdout is not a terminal).
+    #[arg(long)]
+    no_color: bool,
+}
+
+fn main() -> ExitCode {
+    match run(Args::parse()) {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("error: {e:#}");
+            ExitCode::FAILURE
+        }
+    }
+}
+
+fn read_sentences(args: &Args) -> anyhow::Result<Vec<String>> {
+    let mut sentences = args.sentences.clone();
+    if let Some(path) = &args.file {
+        let bytes =
+            std::fs::read(path).with_context(|| format!("cannot read {}", path.display()))?;
+        let text = String::from_utf8(bytes).map_err(|e| {
+            anyhow::anyhow!(
+                "{} is not valid UTF-8 (first bad byte at offset {})",
+                path.display(),
+                e.utf8_error().valid_up_to()
+            )
+        })?;
+        sentences.extend(
+            text.lines()
+                .map(|l| l.trim_end_matches('\r'))
+                .filter(|l| !l.trim().is_empty())
+                .map(str::to_string),
+        );
+    }
+    if sentences.is_empty() {
+        bail!("no sentence given: pass one or more sentences, or --file FILE");
+    }
+    Ok(sentences)
+}
+
+fn run(args: Args) -> anyhow::Result<()> {
+    let t0 = Instant::now();
+    let sentences = read_sentences(&args)?;
+    if args.batch_size == 0 {
+        bail!("--batch-size must be at least 1");
+    }
+    let (device, device_name) = select_device(&args.device)?;
+    let dtype = parse_dtype(&args.dtype)?;
+    let files = ModelResolver::new().resolve(args.model.as_deref())?;
+    let model = Model::load(files, dtype, &device, args.truncate)?;
+    let cfg = &model.config;
+    if let Some(l) = args.layer.filter(|&l| l >= cfg.num_hidden_layers) {
+        bail!(
+            "--layer {l} is out of range: the model has layers 0..{}",
+            cfg.num_hidden_layers
+        );
+    }
+    if let Some(h) = args.head.filter(|&h| h >= cfg.num_attention_heads) {
+        bail!(
+            "--head {h} is out of range: the model has heads 0..{}",
+            cfg.num_attention_heads
+        );
+    }
+    let loaded = t0.elapsed();
+
+    // JSON restricts to --layer/--head; the heatmap needs every head to pick the sharpest.
+    let json_select = DumpSelection {
+        layer: args.layer,
+        head: args.head,
+    };
+    let view_select = DumpSelection {
+        layer: args.layer,
+        head: None,
+    };
+    let t1 = Instant::now();
+    let mut json_dumps = Vec::new();
+    let mut views = Vec::new();
+    for chunk in sentences.chunks(args.batch_size) {
+        let texts: Vec<&str> = chunk.iter().map(String::as_str).collect();
+        let batch = model.text.encode_batch(&texts, &device)?;
+        let out = model.encoder.forward(
+            &batch.input_ids,
+            Some(&batch.token_type_ids),
+            Some(&batch.attention_mask),
+            true,
+        )?;
+        let attentions = out
+            .attentions
+            .context("the encoder returned no attentions")?;
+        for (i, item) in batch.items.iter().enumerate() {
+            let name = &model.files.name;
+            let mut json = AttentionDump::from_batch(name, item, i, &attentions, json_select)?;
+            let mut view = AttentionDump::from_batch(name, item, i, &attentions, view_select)?;
+            if args.words {
+                json = json.into_words(item);
+                view = view.into_words(item);
+            }
+            json_dumps.push(json);
+            views.push((view, item.clone()));
+        }
+    }
+    let ran = t1.elapsed();
+
+    if args.format == Format::Json || args.out.is_some() {
+        match &args.out {
+            Some(path) => {
+                let file = std::fs::File::create(path)
+                    .with_context(|| format!("cannot create {}", path.display()))?;
+                write_json_lines(BufWriter::new(file), &json_dumps)?;
+            }
+            None => write_json_lines(std::io::stdout().lock(), &json_dumps)?,
+        }
+    }
+    if let Some(path) = &args.html {
+        let title = format!("Attention, {}", model.files.name);
+        // The page gets every layer and head unless --layer/--head restrict it.
+        let page = render_html(&json_dumps, &title, args.words)?;
+        std::fs::write(path, page).with_context(|| format!("cannot write {}", path.display()))?;
+    }
+    if args.format == Format::Text {
+        let color = !args.no_color
+            && std::env::var_os("NO_COLOR").is_none()
+            && std::io::stdout().is_terminal();
+        let style = if color {
+            HeatmapStyle::Color
+        } else {
+            HeatmapStyle::Plain
+        };
+        print_text(&args, &model, &views, style, &device_name)?;
+        eprintln!(
+            "loaded in {:.0} ms, {} sentence(s) through {} layers in {:.0} ms",
+            loaded.as_secs_f64() * 1e3,
+            sentences.len(),
+            cfg.num_hidden_layers,
+            ran.as_secs_f64() * 1e3
+        );
+    }
+    Ok(())
+}
+
+fn write_json_lines(mut w: impl Write, dumps: &[AttentionDump]) -> anyhow::Result<()> {
+    for d in dumps {
+        serde_json::to_writer(&mut w, d)?;
+        w.write_all(b"\n")?;
+    }
+    w.flush()?;
+    Ok(())
+}
+
+fn print_text(
+    args: &Args,
+    model: &Model,
+    views: &[(AttentionDump, candle_attention::EncodedText)],
+    style: HeatmapStyle,
+    device_name: &str,
+) -> anyhow::Result<()> {
+    let cfg = &model.config;
+    let mut out = std::io::stdout().lock();
+    writeln!(
+        out,
+        "model: {} ({} layers x {} heads, {device_name}, {})",
+        model.files.name, cfg.num_hidden_layers, cfg.num_attention_heads, args.dtype
+    )?;
+    for (n, (view, item)) in views.iter().enumerate() {
+        writeln!(out)?;
+        if views.len() > 1 {
+            writeln!(out, "sentence {}: {}", n + 1, view.text)?;
+        }
+        let tokens: Vec<String> = view
+            .tokens
+            .iter()
+            .enumerate()
+            .map(|(i, t)| format!("{i}:{t}"))
+            .collect();
+        writeln!(
+            out,
+            "{} {}: {}",
+            view.tokens.len(),
+            if args.words { "words" } else { "tokens" },
+            tokens.join(" ")
+        )?;
+        let special: Vec<bool> = if args.words {
+            view.tokens
+                .iter()
+                .map(|t| t.starts_with('[') && t.ends_with(']'))
+                .collect()
+        } else {
+            item.special.clone()
+        };
+        let (lp, hp, why) = match args.head {
+            Some(h) => (0, h, "chosen with --head"),
+            None => {
+                let (l, h) = view.sharpest_head(&special);
+                (
+                    l,
+                    h,
+                    "sharpest pattern: lowest mean row entropy over the words",
+                )
+            }
+        };
+        let layer = view.layer_ids[lp];
+        let head = view.head_ids[hp];
+        writeln!(out, "layer {layer}, head {head} ({why})")?;
+        write!(
+            out,
+            "{}",
+            render_heatmap(&view.tokens, &view.attentions[lp][hp], style)
+        )?;
+    }
+    writeln!(
+        out,
+        "\nrows = query tokens (who attends), columns = key tokens (attended to); cells = weight x 100"
+    )?;
+    writeln!(
+        out,
+        "more: --layer L --head H picks a head, --format json dumps every layer and head, --html FILE writes an interactive page, --words merges word pieces"
+    )?;
+    Ok(())
+}

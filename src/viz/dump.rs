@@ -1,0 +1,237 @@
+//! [`AttentionDump`]: one sentence's attention weights, every layer and head.
+
+use candle_core::{IndexOp, Tensor};
+use serde::Serialize;
+
+use crate::error::{Error, Result};
+use crate::text::EncodedText;
+use crate::viz::words::{word_groups, WordGroup};
+
+/// Which layers and heads to keep (`None` = all).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct DumpSelection {
+    pub layer: Option<usize>,
+    pub head: Option<usize>,
+}
+
+/// One sentence's attention: `attentions[l][h][i][j]` is the weight query token `i` gives
+/// key token `j` in layer `layer_ids[l]`, head `head_ids[h]`.
+///
+/// Serializes (for `--format json`) to exactly
+/// `{"model", "text", "tokens", "shape", "attentions"}`.
+#[derive(Debug, Clone, Serialize)]
+pub struct AttentionDump {
+    pub model: String,
+    pub text: String,
+    pub tokens: Vec<String>,
+    /// `[layers, heads, seq, seq]`
+    pub shape: [usize; 4],
+    pub attentions: Vec<Vec<Vec<Vec<f32>>>>,
+    /// Real layer number of each entry of `attentions`.
+    #[serde(skip)]
+    pub layer_ids: Vec<usize>,
+    /// Real head number of each entry of `attentions[l]`.
+    #[serde(skip)]
+    pub head_ids: Vec<usize>,
+}
+
+impl AttentionDump {
+    /// Extracts sentence `index` of a batch (its real tokens only) from the per-layer
+    /// attentions `(batch, heads, seq, seq)`.
+    pub fn from_batch(
+        model: &str,
+        item: &EncodedText,
+        index: usize,
+        attentions: &[Tensor],
+        select: DumpSelection,
+    ) -> Result<Self> {
+        let n = item.len();
+        let layers = attentions.len();
+        let heads = match attentions.first() {
+            Some(a) => a.dims4()?.1,
+            None => return Err(Error::input("attentions", "at least one layer", "none")),
+        };
+        let layer_ids: Vec<usize> = match select.layer {
+            Some(l) if l >= layers => {
+                return Err(Error::input(
+                    "--layer",
+                    format!("a layer in 0..{layers}"),
+                    l.to_string(),
+                ))
+            }
+            Some(l) => vec![l],
+            None => (0..layers).collect(),
+        };
+        let head_ids: Vec<usize> = match select.head {
+            Some(h) if h >= heads => {
+                return Err(Error::input(
+                    "--head",
+                    format!("a head in 0..{heads}"),
+                    h.to_string(),
+                ))
+            }
+            Some(h) => vec![h],
+            None => (0..heads).collect(),
+        };
+        let mut out = Vec::with_capacity(layer_ids.len());
+        for &l in &layer_ids {
+            let a = attentions[l].i(index)?.narrow(1, 0, n)?.narrow(2, 0, n)?; // (heads, n, n)
+            let a = a.to_dtype(candle_core::DType::F32)?;
+            let mut per_head = Vec::with_capacity(head_ids.len());
+            for &h in &head_ids {
+                per_head.push(a.i(h)?.to_vec2::<f32>()?);
+            }
+            out.push(per_head);
+        }
+        Ok(Self {
+            model: model.to_string(),
+            text: item.text.clone(),
+            tokens: item.tokens.clone(),
+            shape: [layer_ids.len(), head_ids.len(), n, n],
+            attentions: out,
+            layer_ids,
+            head_ids,
+        })
+    }
+
+    /// Aggregates word pieces into words: a word's weight as a key is the sum over its
+    /// pieces, as a query the mean over its pieces (rows still sum to 1).
+    pub fn into_words(self, item: &EncodedText) -> Self {
+        let groups = word_groups(item);
+        let attentions = self
+            .attentions
+            .iter()
+            .map(|heads| heads.iter().map(|m| aggregate(m, &groups)).collect())
+            .collect();
+        let tokens: Vec<String> = groups.iter().map(|g| g.label.clone()).collect();
+        let n = tokens.len();
+        Self {
+            tokens,
+            shape: [self.shape[0], self.shape[1], n, n],
+            attentions,
+            ..self
+        }
+    }
+
+    /// `(layer position, head position)` of the head whose rows are most focused: the
+    /// lowest mean row entropy over the non-special tokens (rows renormalised after
+    /// dropping special-token keys), so heads that only park weight on `[CLS]`/`[SEP]`
+    /// are not picked.
+    pub fn sharpest_head(&self, special: &[bool]) -> (usize, usize) {
+        let mut best = (0, 0);
+        let mut best_score = f32::INFINITY;
+        for (l, heads) in self.attentions.iter().enumerate() {
+            for (h, m) in heads.iter().enumerate() {
+                let score = mean_entropy(m, special);
+                if score < best_score {
+                    best_score = score;
+                    best = (l, h);
+                }
+            }
+        }
+        best
+    }
+}
+
+fn mean_entropy(m: &[Vec<f32>], special: &[bool]) -> f32 {
+    let keep = |i: usize| !special.get(i).copied().unwrap_or(false);
+    let mut total = 0f32;
+    let mut rows = 0usize;
+    for (i, row) in m.iter().enumerate().filter(|(i, _)| keep(*i)) {
+        let mass: f32 = row
+            .iter()
+            .enumerate()
+            .filter(|(j, _)| keep(*j))
+            .map(|(_, w)| w)
+            .sum();
+        if mass <= 0.0 {
+            continue;
+        }
+        let _ = i;
+        let h: f32 = row
+            .iter()
+            .enumerate()
+            .filter(|(j, _)| keep(*j))
+            .map(|(_, &w)| w / mass)
+            .filter(|&p| p > 0.0)
+            .map(|p| -p * p.ln())
+            .sum();
+        total += h;
+        rows += 1;
+    }
+    if rows == 0 {
+        f32::INFINITY
+    } else {
+        total / rows as f32
+    }
+}
+
+/// `W[I][J] = mean_{i in I} sum_{j in J} A[i][j]`.
+fn aggregate(m: &[Vec<f32>], groups: &[WordGroup]) -> Vec<Vec<f32>> {
+    groups
+        .iter()
+        .map(|gi| {
+            groups
+                .iter()
+                .map(|gj| {
+                    let sum: f32 = gi
+                        .tokens
+                        .clone()
+                        .map(|i| gj.tokens.clone().map(|j| m[i][j]).sum::<f32>())
+                        .sum();
+                    sum / gi.tokens.len() as f32
+                })
+                .collect()
+        })
+        .collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn item() -> EncodedText {
+        EncodedText {
+            text: "playing ball".into(),
+            ids: vec![101, 1, 2, 3, 102],
+            tokens: vec![
+                "[CLS]".into(),
+                "play".into(),
+                "##ing".into(),
+                "ball".into(),
+                "[SEP]".into(),
+            ],
+            type_ids: vec![0; 5],
+            offsets: vec![(0, 0), (0, 4), (4, 7), (8, 12), (0, 0)],
+            word_ids: vec![None, Some(0), Some(0), Some(1), None],
+            special: vec![true, false, false, false, true],
+        }
+    }
+
+    #[test]
+    fn words_sum_keys_and_average_queries() {
+        let n = 5;
+        let m: Vec<Vec<f32>> = (0..n)
+            .map(|i| (0..n).map(|j| if i == j { 0.6 } else { 0.1 }).collect())
+            .collect();
+        let dump = AttentionDump {
+            model: "m".into(),
+            text: "playing ball".into(),
+            tokens: item().tokens,
+            shape: [1, 1, n, n],
+            attentions: vec![vec![m]],
+            layer_ids: vec![0],
+            head_ids: vec![0],
+        };
+        let w = dump.into_words(&item());
+        assert_eq!(w.tokens, vec!["[CLS]", "playing", "ball", "[SEP]"]);
+        assert_eq!(w.shape, [1, 1, 4, 4]);
+        let a = &w.attentions[0][0];
+        // "playing" as a key = sum of its two pieces; as a query = mean of two rows.
+        assert!((a[0][1] - 0.2).abs() < 1e-6);
+        assert!((a[1][1] - 0.7).abs() < 1e-6);
+        for row in a {
+            assert!((row.iter().sum::<f32>() - 1.0).abs() < 1e-5);
+        }
+    }
+}
