@@ -260,9 +260,9 @@ impl SimpleBackend for Checkpoint {
 /// Checks what can be checked before mapping: the file exists, is a file, is not empty
 /// and its 8-byte header length fits in the file.
 fn validate_file(path: &Path) -> Result<()> {
-    let io = |source| Error::Io {
+    let io = |cause| Error::Io {
         path: path.to_path_buf(),
-        source,
+        cause,
     };
     let meta = std::fs::metadata(path).map_err(io)?;
     if meta.is_dir() {

@@ -132,9 +132,9 @@ impl HfConfig {
     /// Reads and validates a `config.json`.
     pub fn from_file(path: impl AsRef<Path>) -> Result<Self> {
         let path = path.as_ref();
-        let text = std::fs::read_to_string(path).map_err(|source| Error::Io {
+        let text = std::fs::read_to_string(path).map_err(|cause| Error::Io {
             path: path.to_path_buf(),
-            source,
+            cause,
         })?;
         let cfg: HfConfig = serde_json::from_str(&text).map_err(|e| Error::Config {
             path: Some(path.to_path_buf()),

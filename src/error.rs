@@ -17,11 +17,11 @@ pub enum Error {
     Candle(candle_core::Error),
 
     /// A file could not be read.
-    #[error("cannot read {path}: {source}")]
+    #[error("cannot read {path}: {cause}")]
     Io {
         path: PathBuf,
-        #[source]
-        source: std::io::Error,
+        /// What the operating system said (part of the message, so not repeated as a source).
+        cause: std::io::Error,
     },
 
     /// A file exists but is not a valid safetensors checkpoint (empty, truncated, bad header, ...).

@@ -74,11 +74,11 @@ impl ModelResolver {
                 },
             });
         }
-        self.from_hub(spec)
+        self.resolve_hub(spec)
     }
 
     #[cfg(feature = "hub")]
-    fn from_hub(&self, spec: &str) -> Result<ModelFiles> {
+    fn resolve_hub(&self, spec: &str) -> Result<ModelFiles> {
         use hf_hub::{Cache, Repo, RepoType};
         let (id, revision) = match spec.split_once('@') {
             Some((id, rev)) => (id, rev),
@@ -180,7 +180,7 @@ impl ModelResolver {
     }
 
     #[cfg(not(feature = "hub"))]
-    fn from_hub(&self, spec: &str) -> Result<ModelFiles> {
+    fn resolve_hub(&self, spec: &str) -> Result<ModelFiles> {
         Err(Error::Model {
             model: spec.to_string(),
             reason: "not a local directory, and this build has no Hugging Face hub support (enable the `hub` feature)".to_string(),
@@ -223,9 +223,9 @@ fn from_dir(dir: &Path, name: &str) -> Result<ModelFiles> {
 
 /// Shard file names of a `model.safetensors.index.json`.
 fn shard_names(index: &Path) -> Result<Vec<String>> {
-    let text = std::fs::read_to_string(index).map_err(|source| Error::Io {
+    let text = std::fs::read_to_string(index).map_err(|cause| Error::Io {
         path: index.to_path_buf(),
-        source,
+        cause,
     })?;
     let value: serde_json::Value = serde_json::from_str(&text).map_err(|e| Error::Config {
         path: Some(index.to_path_buf()),

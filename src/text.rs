@@ -77,9 +77,9 @@ impl TextEncoder {
     /// error unless [`TextEncoder::with_truncation`] asks otherwise.
     pub fn from_file(path: impl AsRef<Path>) -> Result<Self> {
         let path = path.as_ref();
-        let bytes = std::fs::read(path).map_err(|source| Error::Io {
+        let bytes = std::fs::read(path).map_err(|cause| Error::Io {
             path: path.to_path_buf(),
-            source,
+            cause,
         })?;
         let mut tokenizer = Tokenizer::from_bytes(&bytes).map_err(|e| {
             Error::Tokenizer(format!(
