@@ -2,9 +2,10 @@
 //! candle-nn parts: embeddings (word + position + token type, LayerNorm), then per layer
 //! attention, residual + LayerNorm, feed-forward, residual + LayerNorm.
 
-use candle_core::{DType, Tensor};
+use candle_core::{DType, Device, Tensor};
 use candle_nn::{Embedding, LayerNorm, Module, VarBuilder};
 
+use crate::checkpoint::Checkpoint;
 use crate::config::{AttentionConfig, HfConfig};
 use crate::error::{Error, Result};
 use crate::layout::WeightLayout;
@@ -84,6 +85,8 @@ impl Dense {
 
 /// Word + position + token type embeddings, then LayerNorm.
 struct BertEmbeddings {
+    /// Kept in the checkpoint's half dtype when the model runs in f32: rows are widened
+    /// after the lookup (exact), which saves converting the largest table at load time.
     word: Embedding,
     position: Embedding,
     token_type: Embedding,
@@ -92,30 +95,34 @@ struct BertEmbeddings {
 }
 
 impl BertEmbeddings {
-    fn load(vb: VarBuilder, cfg: &HfConfig) -> Result<Self> {
+    fn load(vb: VarBuilder, cfg: &HfConfig, word_dtype: Option<DType>) -> Result<Self> {
         let d = cfg.hidden_size;
-        let table = |name: &str| -> Result<Embedding> {
-            let w = vb.pp(name).get_unchecked("weight")?;
+        let table = |name: &str, dtype: Option<DType>| -> Result<Embedding> {
+            let vb = vb.pp(name);
+            let w = match dtype {
+                Some(dtype) => vb.get_unchecked_dtype("weight", dtype)?,
+                None => vb.get_unchecked("weight")?,
+            };
             let (_n, width) = w.dims2().map_err(|_| Error::ShapeMismatch {
-                tensor: format!("{}.{name}.weight", vb.prefix()),
+                tensor: format!("{}.weight", vb.prefix()),
                 expected: format!("(rows, {d})"),
                 found: w.dims().to_vec(),
             })?;
             if width != d {
                 return Err(Error::ShapeMismatch {
-                    tensor: format!("{}.{name}.weight", vb.prefix()),
+                    tensor: format!("{}.weight", vb.prefix()),
                     expected: format!("(rows, {d})"),
                     found: w.dims().to_vec(),
                 });
             }
             Ok(Embedding::new(w, d))
         };
-        let position = table("position_embeddings")?;
+        let position = table("position_embeddings", None)?;
         let max_positions = position.embeddings().dim(0)?;
         Ok(Self {
-            word: table("word_embeddings")?,
+            word: table("word_embeddings", word_dtype)?,
             position,
-            token_type: table("token_type_embeddings")?,
+            token_type: table("token_type_embeddings", None)?,
             norm: layer_norm(vb.pp("LayerNorm"), d, cfg.layer_norm_eps)?,
             max_positions,
         })
@@ -132,11 +139,17 @@ impl BertEmbeddings {
             });
         }
         let positions = Tensor::arange(0u32, t as u32, input_ids.device())?.unsqueeze(0)?; // (1, t)
-        let words = self.word.forward(input_ids)?; // (b, t, d)
+        let words = self.word.forward(input_ids)?.to_dtype(self.norm_dtype())?; // (b, t, d)
         let types = self.token_type.forward(token_type_ids)?; // (b, t, d)
         let pos = self.position.forward(&positions)?; // (1, t, d)
         let x = (words + types)?.broadcast_add(&pos)?;
         Ok(self.norm.forward(&x)?)
+    }
+}
+
+impl BertEmbeddings {
+    fn norm_dtype(&self) -> DType {
+        self.position.embeddings().dtype()
     }
 }
 
@@ -233,6 +246,28 @@ impl BertEncoder {
     /// Loads the encoder from a checkpoint root; tensors may sit under `bert.` (as in
     /// `BertForPreTraining` checkpoints) or at the top level (as in `BertModel`).
     pub fn load(vb: VarBuilder, cfg: &HfConfig) -> Result<Self> {
+        Self::load_inner(vb, cfg, None)
+    }
+
+    /// Loads the encoder from a [`Checkpoint`] in `dtype` on `device`. Same result as
+    /// [`BertEncoder::load`], but when the checkpoint stores half precision and the model
+    /// runs in f32 the word-embedding table stays in half precision (rows are widened
+    /// exactly after the lookup): the largest tensor is not converted at load time.
+    pub fn load_checkpoint(
+        ckpt: &Checkpoint,
+        dtype: DType,
+        device: &Device,
+        cfg: &HfConfig,
+    ) -> Result<Self> {
+        let vb = ckpt.var_builder(dtype, device);
+        let word_dtype = ["embeddings.word_embeddings.weight", "bert.embeddings.word_embeddings.weight"]
+            .into_iter()
+            .find_map(|n| ckpt.stored_dtype(n))
+            .filter(|d| dtype == DType::F32 && matches!(d, DType::F16 | DType::BF16));
+        Self::load_inner(vb, cfg, word_dtype)
+    }
+
+    fn load_inner(vb: VarBuilder, cfg: &HfConfig, word_dtype: Option<DType>) -> Result<Self> {
         cfg.validate()?;
         if cfg.position_embedding_type != "absolute" {
             return Err(Error::config(format!(
@@ -248,7 +283,7 @@ impl BertEncoder {
             vb
         };
         let dtype = vb.dtype();
-        let embeddings = BertEmbeddings::load(vb.pp("embeddings"), cfg)?;
+        let embeddings = BertEmbeddings::load(vb.pp("embeddings"), cfg, word_dtype)?;
         let layers = (0..cfg.num_hidden_layers)
             .map(|i| BertLayer::load(vb.pp(format!("encoder.layer.{i}")), cfg))
             .collect::<Result<Vec<_>>>()?;

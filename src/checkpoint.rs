@@ -94,6 +94,22 @@ impl Checkpoint {
         self.inner.names.contains(name)
     }
 
+    /// The dtype a tensor is stored in, if it exists and candle knows the dtype.
+    pub fn stored_dtype(&self, name: &str) -> Option<DType> {
+        use safetensors::Dtype as S;
+        let view = self.inner.tensors.get(name).ok()?;
+        Some(match view.dtype() {
+            S::F16 => DType::F16,
+            S::BF16 => DType::BF16,
+            S::F32 => DType::F32,
+            S::F64 => DType::F64,
+            S::U8 => DType::U8,
+            S::U32 => DType::U32,
+            S::I64 => DType::I64,
+            _ => return None,
+        })
+    }
+
     /// Names of the tensors under a dotted prefix (`"encoder.layer.0"` matches
     /// `encoder.layer.0.attention...` but not `encoder.layer.01...`). An empty prefix
     /// matches everything.

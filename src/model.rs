@@ -259,9 +259,18 @@ impl Model {
     /// `truncate` cuts texts longer than the model's positions instead of failing.
     pub fn load(files: ModelFiles, dtype: DType, device: &Device, truncate: bool) -> Result<Self> {
         let config = HfConfig::from_file(&files.config)?;
-        let ckpt = Checkpoint::open_many(&files.weights)?;
-        let encoder = BertEncoder::load(ckpt.var_builder(dtype, device), &config)?;
-        let text = TextEncoder::from_file(&files.tokenizer)?
+        // Parsing tokenizer.json and reading the weights are independent: do both at once.
+        let (text, encoder) = std::thread::scope(|s| {
+            let text = s.spawn(|| TextEncoder::from_file(&files.tokenizer));
+            let encoder = Checkpoint::open_many(&files.weights)
+                .and_then(|ckpt| BertEncoder::load_checkpoint(&ckpt, dtype, device, &config));
+            let text = text.join().unwrap_or_else(|_| {
+                Err(Error::Tokenizer("the tokenizer thread panicked".to_string()))
+            });
+            (text, encoder)
+        });
+        let encoder = encoder?;
+        let text = text?
             .with_max_positions(encoder.max_positions())?
             .with_truncation(truncate)?;
         Ok(Self {
