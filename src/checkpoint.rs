@@ -9,7 +9,7 @@ use std::collections::BTreeSet;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
-use candle_core::safetensors::MmapedSafetensors;
+use candle_core::safetensors::{BufferedSafetensors, MmapedSafetensors};
 use candle_core::{DType, Device, Shape, Tensor};
 use candle_nn::var_builder::SimpleBackend;
 use candle_nn::VarBuilder;
@@ -25,9 +25,38 @@ pub struct Checkpoint {
     inner: Arc<Inner>,
 }
 
+/// Memory-mapped files, or bytes already in memory.
+enum Storage {
+    Mapped(MmapedSafetensors),
+    Buffered(BufferedSafetensors),
+}
+
+impl Storage {
+    fn names(&self) -> BTreeSet<String> {
+        match self {
+            Storage::Mapped(s) => s.tensors().into_iter().map(|(n, _)| n).collect(),
+            Storage::Buffered(s) => s.tensors().into_iter().map(|(n, _)| n).collect(),
+        }
+    }
+
+    fn get(&self, name: &str) -> candle_core::Result<safetensors::tensor::TensorView<'_>> {
+        match self {
+            Storage::Mapped(s) => s.get(name),
+            Storage::Buffered(s) => s.get(name),
+        }
+    }
+
+    fn load(&self, name: &str, device: &Device) -> candle_core::Result<Tensor> {
+        match self {
+            Storage::Mapped(s) => s.load(name, device),
+            Storage::Buffered(s) => s.load(name, device),
+        }
+    }
+}
+
 struct Inner {
     paths: Vec<PathBuf>,
-    tensors: MmapedSafetensors,
+    tensors: Storage,
     names: BTreeSet<String>,
 }
 
@@ -65,14 +94,32 @@ impl Checkpoint {
                 path: paths[0].clone(),
                 reason: describe_candle_error(&e),
             })?;
-        let names = tensors
-            .tensors()
-            .into_iter()
-            .map(|(name, _)| name)
-            .collect();
+        let tensors = Storage::Mapped(tensors);
+        let names = tensors.names();
         Ok(Self {
             inner: Arc::new(Inner {
                 paths,
+                tensors,
+                names,
+            }),
+        })
+    }
+
+    /// A checkpoint from safetensors bytes already in memory (`source` names them in
+    /// error messages). Checked like a file: empty, truncated or malformed bytes are an
+    /// [`Error::InvalidCheckpoint`].
+    pub fn from_bytes(bytes: Vec<u8>, source: impl Into<PathBuf>) -> Result<Self> {
+        let source = source.into();
+        validate_header(&bytes[..bytes.len().min(8)], bytes.len() as u64, &source)?;
+        let tensors = BufferedSafetensors::new(bytes).map_err(|e| Error::InvalidCheckpoint {
+            path: source.clone(),
+            reason: describe_candle_error(&e),
+        })?;
+        let tensors = Storage::Buffered(tensors);
+        let names = tensors.names();
+        Ok(Self {
+            inner: Arc::new(Inner {
+                paths: vec![source],
                 tensors,
                 names,
             }),
@@ -287,7 +334,18 @@ fn validate_file(path: &Path) -> Result<()> {
             reason: "it is a directory, not a file".to_string(),
         });
     }
-    let len = meta.len();
+    let mut head = Vec::with_capacity(8);
+    {
+        use std::io::Read;
+        let f = std::fs::File::open(path).map_err(io)?;
+        f.take(8).read_to_end(&mut head).map_err(io)?;
+    }
+    validate_header(&head, meta.len(), path)
+}
+
+/// Checks the first (up to) 8 bytes of a safetensors buffer of `len` bytes: not empty,
+/// long enough for the header length field, and a header that fits.
+fn validate_header(head: &[u8], len: u64, path: &Path) -> Result<()> {
     let invalid = |reason: String| Error::InvalidCheckpoint {
         path: path.to_path_buf(),
         reason,
@@ -295,17 +353,11 @@ fn validate_file(path: &Path) -> Result<()> {
     if len == 0 {
         return Err(invalid("the file is empty (0 bytes)".to_string()));
     }
-    if len < 8 {
+    let Ok(head) = <[u8; 8]>::try_from(head) else {
         return Err(invalid(format!(
             "the file has {len} bytes, too short for the 8-byte safetensors header length"
         )));
-    }
-    let mut head = [0u8; 8];
-    {
-        use std::io::Read;
-        let mut f = std::fs::File::open(path).map_err(io)?;
-        f.read_exact(&mut head).map_err(io)?;
-    }
+    };
     let header_len = u64::from_le_bytes(head);
     if header_len > len - 8 {
         return Err(invalid(format!(

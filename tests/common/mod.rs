@@ -127,3 +127,28 @@ pub fn example_bin(name: &str) -> anyhow::Result<PathBuf> {
     }
     Ok(bin)
 }
+
+/// Runs a `fn(&Device) -> anyhow::Result<()>` as one test per device the build has: the
+/// CPU always, CUDA with the `cuda` feature, Metal with the `metal` feature (like
+/// candle's own `test_device!`).
+#[macro_export]
+macro_rules! test_device {
+    ($fn_name:ident, $cpu:ident, $cuda:ident, $metal:ident) => {
+        #[test]
+        fn $cpu() -> anyhow::Result<()> {
+            $fn_name(&candle_core::Device::Cpu)
+        }
+
+        #[cfg(feature = "cuda")]
+        #[test]
+        fn $cuda() -> anyhow::Result<()> {
+            $fn_name(&candle_core::Device::new_cuda(0)?)
+        }
+
+        #[cfg(feature = "metal")]
+        #[test]
+        fn $metal() -> anyhow::Result<()> {
+            $fn_name(&candle_core::Device::new_metal(0)?)
+        }
+    };
+}

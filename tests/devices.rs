@@ -1,0 +1,126 @@
+//! Golden and invariant checks on every device the build has (CPU always; CUDA / Metal
+//! with their features), in f32 and in half precision.
+//!
+//! Tolerances (max |diff| against the PyTorch fixtures, which are f32):
+//! - f32: 1e-4 on weights and context.
+//! - f16: 5e-3 on weights, 1e-2 on context. Inputs and weights are rounded to f16 (11-bit
+//!   mantissa, relative error 4.9e-4); the projections sum `hidden` such products, the
+//!   scores are scaled and exponentiated, which amplifies the rounding to ~1e-3 on the
+//!   probabilities (measured on CPU: see `half_tolerances_are_not_loose`).
+//! - bf16: 4e-2 on weights, 1e-1 on context: 8-bit mantissa (relative error 3.9e-3), 8x
+//!   coarser than f16.
+
+mod common;
+
+use candle_attention::{
+    AttentionConfig, AttentionMask, Checkpoint, MultiHeadSelfAttention, SingleHeadSelfAttention,
+    WeightLayout,
+};
+use candle_core::{DType, Device};
+use common::{max_abs_diff, repo_path, Fixture};
+
+fn tolerances(dtype: DType) -> (f32, f32) {
+    match dtype {
+        DType::F16 => (5e-3, 1e-2),
+        DType::BF16 => (4e-2, 1e-1),
+        _ => (1e-4, 1e-4),
+    }
+}
+
+/// Worst (weights, context) difference over every case of a module fixture.
+fn fixture_error(name: &str, device: &Device, dtype: DType) -> anyhow::Result<(f32, f32)> {
+    let fx = Fixture::open(name)?;
+    let layout: WeightLayout = fx.meta["layout"].as_str().unwrap_or_default().parse()?;
+    let heads = fx.meta["heads"].as_u64().unwrap_or(1) as usize;
+    let ckpt = match fx.meta["weights_file"].as_str() {
+        Some(f) => Checkpoint::open(repo_path(f))?,
+        None => fx.ckpt.clone(),
+    };
+    let (mut worst_w, mut worst_c) = (0f32, 0f32);
+    for case in fx.cases() {
+        let causal = fx.case_meta(&case)["causal"].as_bool().unwrap_or(false);
+        let prefix = fx.prefix(&case);
+        let vb = ckpt.var_builder(dtype, device);
+        let vb = if prefix.is_empty() { vb } else { vb.pp(&prefix) };
+        let x = fx.case_tensor(&case, "x")?.expect("x").to_dtype(dtype)?.to_device(device)?;
+        let kv = match fx.case_tensor(&case, "kv")? {
+            Some(kv) => Some(kv.to_dtype(dtype)?.to_device(device)?),
+            None => None,
+        };
+        let mask = match fx.case_tensor(&case, "attention_mask")? {
+            Some(m) => Some(AttentionMask::padding(&m.to_device(device)?)?),
+            None => None,
+        };
+        let out = if layout == WeightLayout::Single {
+            SingleHeadSelfAttention::load(vb)?
+                .with_causal(causal)
+                .forward_with_weights(&x, mask.as_ref())?
+        } else {
+            let cfg = AttentionConfig::new(layout, heads).with_causal(causal);
+            MultiHeadSelfAttention::load(vb, &cfg)?.attend(&x, kv.as_ref(), mask.as_ref(), true)?
+        };
+        let w = out.weights.expect("weights").to_device(&Device::Cpu)?;
+        assert!(!common::has_non_finite(&w)?, "{name}/{case}: non-finite weights");
+        let c = out.context.to_device(&Device::Cpu)?;
+        assert!(!common::has_non_finite(&c)?, "{name}/{case}: non-finite context");
+        worst_w = worst_w.max(max_abs_diff(&w, &fx.case_tensor(&case, "weights")?.expect("w"))?);
+        worst_c = worst_c.max(max_abs_diff(&c, &fx.case_tensor(&case, "context")?.expect("c"))?);
+    }
+    Ok((worst_w, worst_c))
+}
+
+fn golden_on(device: &Device) -> anyhow::Result<()> {
+    for dtype in [DType::F32, DType::F16, DType::BF16] {
+        let (tol_w, tol_c) = tolerances(dtype);
+        for name in ["torch_mha", "bert_layer", "gpt2_attn", "llama_gqa", "single_head"] {
+            let (w, c) = fixture_error(name, device, dtype)?;
+            eprintln!("{name} {dtype:?} on {device:?}: weights {w:e}, context {c:e}");
+            assert!(w <= tol_w, "{name} {dtype:?} on {device:?}: weights off by {w:e} > {tol_w:e}");
+            assert!(c <= tol_c, "{name} {dtype:?} on {device:?}: context off by {c:e} > {tol_c:e}");
+        }
+    }
+    Ok(())
+}
+
+fn fully_masked_rows_on(device: &Device) -> anyhow::Result<()> {
+    let ckpt = Checkpoint::open(repo_path("weights/model.safetensors"))?;
+    for dtype in [DType::F32, DType::F16, DType::BF16] {
+        let vb = ckpt.var_builder(dtype, device);
+        let attn = MultiHeadSelfAttention::load(
+            vb.pp("encoder.layer.1.attention"),
+            &AttentionConfig::new(WeightLayout::Bert, 12),
+        )?;
+        let x = candle_core::Tensor::randn(0f32, 1.0, (2, 6, 384), device)?.to_dtype(dtype)?;
+        // Second sequence: no real token at all.
+        let keep = candle_core::Tensor::new(&[[1u8, 1, 1, 1, 0, 0], [0, 0, 0, 0, 0, 0]], device)?;
+        let out = attn.forward_with_weights(&x, Some(&AttentionMask::padding(&keep)?))?;
+        assert!(!common::has_non_finite(&out.context)?, "{dtype:?} context has NaN/inf");
+        let w = out.weights.expect("weights");
+        assert!(!common::has_non_finite(&w)?, "{dtype:?} weights have NaN/inf");
+        let dead = w.get(1)?.abs()?.max_all()?.to_scalar::<f32>()?;
+        assert_eq!(dead, 0.0, "{dtype:?}: fully masked rows must be zero");
+    }
+    Ok(())
+}
+
+test_device!(golden_on, golden_cpu, golden_cuda, golden_metal);
+test_device!(
+    fully_masked_rows_on,
+    fully_masked_rows_cpu,
+    fully_masked_rows_cuda,
+    fully_masked_rows_metal
+);
+
+/// The half-precision tolerances are not so loose that they would hide a real error:
+/// the measured CPU error sits well inside them and above f32's.
+#[test]
+fn half_tolerances_are_not_loose() -> anyhow::Result<()> {
+    for dtype in [DType::F16, DType::BF16] {
+        let (tol_w, _) = tolerances(dtype);
+        let (w, c) = fixture_error("bert_layer", &Device::Cpu, dtype)?;
+        eprintln!("bert_layer {dtype:?}: weights {w:e}, context {c:e}");
+        assert!(w > 1e-5, "{dtype:?} should differ from f32 at all");
+        assert!(w < tol_w, "{dtype:?} error {w:e} vs tolerance {tol_w:e}");
+    }
+    Ok(())
+}
