@@ -264,16 +264,12 @@ fn print_text(
         } else {
             item.special.clone()
         };
-        let (lp, hp, why) = match args.head {
-            Some(h) => (0, h, "chosen with --head"),
-            None => {
-                let (l, h) = view.sharpest_head(&special);
-                (
-                    l,
-                    h,
-                    "sharpest pattern: lowest mean row entropy over the words",
-                )
-            }
+        let (lp, hp) = view.sharpest_among(&special, args.head);
+        let why = match (args.layer, args.head) {
+            (Some(_), Some(_)) => "chosen with --layer and --head",
+            (None, Some(_)) => "chosen with --head; the layer where it is sharpest",
+            (Some(_), None) => "the sharpest head of this layer: lowest mean row entropy over the words",
+            (None, None) => "sharpest pattern: lowest mean row entropy over the words",
         };
         let layer = view.layer_ids[lp];
         let head = view.head_ids[hp];

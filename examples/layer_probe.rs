@@ -20,8 +20,8 @@ use std::time::Instant;
 
 use anyhow::{bail, Context};
 use candle_attention::{
-    AttentionConfig, AttentionMask, Checkpoint, HfConfig, MultiHeadSelfAttention,
-    SingleHeadSelfAttention, WeightLayout,
+    parse_dtype, select_device, AttentionConfig, AttentionMask, Checkpoint, HfConfig,
+    MultiHeadSelfAttention, SingleHeadSelfAttention, WeightLayout,
 };
 use candle_core::{DType, Device, Tensor};
 use clap::Parser;
@@ -54,6 +54,12 @@ struct Args {
     /// Where to write `context` and `weights`.
     #[arg(long)]
     output: PathBuf,
+    /// cpu, cuda[:N], metal[:N] or auto.
+    #[arg(long, default_value = "cpu")]
+    device: String,
+    /// Weights and compute dtype: f32, f16 or bf16 (outputs are written as F32).
+    #[arg(long, default_value = "f32")]
+    dtype: String,
 }
 
 fn main() -> ExitCode {
@@ -67,11 +73,12 @@ fn main() -> ExitCode {
 }
 
 fn run(args: Args) -> anyhow::Result<()> {
-    let device = Device::Cpu;
+    let (device, device_name) = select_device(&args.device)?;
+    let dtype = parse_dtype(&args.dtype)?;
     let t0 = Instant::now();
     let ckpt = Checkpoint::open(&args.weights)?;
     ckpt.check_prefix(&args.prefix)?;
-    let vb = ckpt.var_builder(DType::F32, &device);
+    let vb = ckpt.var_builder(dtype, &device);
     let vb = if args.prefix.is_empty() {
         vb
     } else {
@@ -79,9 +86,9 @@ fn run(args: Args) -> anyhow::Result<()> {
     };
 
     let inputs = Checkpoint::open(&args.input).context("reading --input")?;
-    let x = float_input(&inputs, "x", &device)?;
+    let x = float_input(&inputs, "x", &device)?.to_dtype(dtype)?;
     let kv = if inputs.contains("kv") {
-        Some(float_input(&inputs, "kv", &device)?)
+        Some(float_input(&inputs, "kv", &device)?.to_dtype(dtype)?)
     } else {
         None
     };
@@ -104,7 +111,7 @@ fn run(args: Args) -> anyhow::Result<()> {
         let load = t0.elapsed();
         let t1 = Instant::now();
         let out = head.forward_with_weights(&x, mask.as_ref())?;
-        eprintln!("loaded in {load:.1?}, ran in {:.1?}", t1.elapsed());
+        eprintln!("{device_name}: loaded in {load:.1?}, ran in {:.1?}", t1.elapsed());
         out
     } else {
         let heads = match args.heads {
@@ -118,7 +125,7 @@ fn run(args: Args) -> anyhow::Result<()> {
         let load = t0.elapsed();
         let t1 = Instant::now();
         let out = attn.attend(&x, kv.as_ref(), mask.as_ref(), true)?;
-        eprintln!("loaded in {load:.1?}, ran in {:.1?}", t1.elapsed());
+        eprintln!("{device_name}: loaded in {load:.1?}, ran in {:.1?}", t1.elapsed());
         out
     };
     let mut tensors = HashMap::new();
@@ -126,6 +133,10 @@ fn run(args: Args) -> anyhow::Result<()> {
     if let Some(w) = out.weights {
         tensors.insert("weights".to_string(), w.to_dtype(DType::F32)?);
     }
+    let tensors: HashMap<String, Tensor> = tensors
+        .into_iter()
+        .map(|(k, v)| Ok((k, v.to_device(&Device::Cpu)?)))
+        .collect::<candle_core::Result<_>>()?;
     candle_core::safetensors::save(&tensors, &args.output)
         .with_context(|| format!("writing {}", args.output.display()))?;
     Ok(())

@@ -63,7 +63,8 @@ impl ModelResolver {
             || spec.starts_with('/')
             || spec.starts_with('~')
             || spec.contains('\\')
-            || spec.matches('/').count() > 1;
+            // Only the id counts: a revision may hold slashes (`org/name@refs/pr/1`).
+            || spec.split('@').next().unwrap_or(spec).matches('/').count() > 1;
         if looks_like_path || path.exists() {
             return Err(Error::Model {
                 model: spec.to_string(),
@@ -91,44 +92,78 @@ impl ModelResolver {
         let cache = match (&self.cache_dir, std::env::var_os("HF_HUB_CACHE")) {
             (Some(dir), _) => Cache::new(dir.clone()),
             (None, Some(dir)) => Cache::new(PathBuf::from(dir)),
-            (None, None) => Cache::from_env(),
+            (None, None) => {
+                let has_home = ["HF_HOME", "HOME", "USERPROFILE"]
+                    .iter()
+                    .any(|v| std::env::var_os(v).is_some());
+                if !has_home {
+                    return Err(model_err(
+                        "no hub cache directory: set HF_HUB_CACHE or HF_HOME".to_string(),
+                    ));
+                }
+                Cache::from_env()
+            }
         };
         let repo = Repo::with_revision(id.to_string(), RepoType::Model, revision.to_string());
         let cached = cache.repo(repo.clone());
+        // huggingface_hub's truth values: 1, ON, YES, TRUE (any case).
         let offline = self.offline
-            || std::env::var("HF_HUB_OFFLINE").is_ok_and(|v| !v.is_empty() && v != "0");
+            || std::env::var("HF_HUB_OFFLINE").is_ok_and(|v| {
+                matches!(
+                    v.trim().to_ascii_lowercase().as_str(),
+                    "1" | "on" | "yes" | "true"
+                )
+            });
 
-        // Local cache first.
-        let from_cache = |file: &str| cached.get(file);
-        let mut missing = Vec::new();
+        // Local cache first. A revision that is a commit hash has no `refs/` entry when it
+        // was downloaded by hash (huggingface_hub writes `snapshots/<hash>/` only).
+        let commit_snapshot =
+            (revision.len() == 40 && revision.bytes().all(|b| b.is_ascii_hexdigit())).then(|| {
+                cache
+                    .path()
+                    .join(repo.folder_name())
+                    .join("snapshots")
+                    .join(revision)
+            });
+        let from_cache = |file: &str| {
+            cached.get(file).or_else(|| {
+                commit_snapshot
+                    .as_ref()
+                    .map(|dir| dir.join(file))
+                    .filter(|p| p.exists())
+            })
+        };
+        let mut missing: Vec<String> = Vec::new();
         let config = from_cache("config.json");
         let tokenizer = from_cache("tokenizer.json");
-        let weights = match from_cache("model.safetensors") {
-            Some(p) => Some(vec![p]),
-            None => from_cache("model.safetensors.index.json")
-                .map(|index| {
-                    shard_names(&index)?
-                        .iter()
-                        .map(|s| {
-                            from_cache(s).ok_or_else(|| {
-                                model_err(format!("shard {s} missing from the cache"))
-                            })
-                        })
-                        .collect::<Result<Vec<_>>>()
-                })
-                .transpose()
-                .ok()
-                .flatten(),
-        };
         if config.is_none() {
-            missing.push("config.json");
+            missing.push("config.json".to_string());
         }
         if tokenizer.is_none() {
-            missing.push("tokenizer.json");
+            missing.push("tokenizer.json".to_string());
         }
-        if weights.is_none() {
-            missing.push("model.safetensors");
-        }
+        let weights = match from_cache("model.safetensors") {
+            Some(p) => Some(vec![p]),
+            None => match from_cache("model.safetensors.index.json") {
+                Some(index) => {
+                    let shards = shard_names(&index)?;
+                    let absent: Vec<&String> =
+                        shards.iter().filter(|s| from_cache(s).is_none()).collect();
+                    if absent.is_empty() {
+                        shards.iter().map(|s| from_cache(s)).collect()
+                    } else {
+                        missing.extend(absent.iter().map(|s| {
+                            format!("{s} (a shard listed in model.safetensors.index.json)")
+                        }));
+                        None
+                    }
+                }
+                None => {
+                    missing.push("model.safetensors".to_string());
+                    None
+                }
+            },
+        };
         if let (Some(config), Some(tokenizer), Some(weights)) = (config, tokenizer, weights) {
             return Ok(ModelFiles {
                 name: spec.to_string(),
@@ -207,7 +242,13 @@ fn from_dir(dir: &Path, name: &str) -> Result<ModelFiles> {
     let weights = if single.is_file() {
         vec![single]
     } else {
-        let index = need("model.safetensors").or_else(|_| need("model.safetensors.index.json"))?;
+        let index = need("model.safetensors.index.json").map_err(|_| Error::Model {
+            model: name.to_string(),
+            reason: format!(
+                "{} has no model.safetensors (nor a sharded model.safetensors.index.json)",
+                dir.display()
+            ),
+        })?;
         shard_names(&index)?
             .iter()
             .map(|s| need(s))
@@ -265,7 +306,9 @@ impl Model {
             let encoder = Checkpoint::open_many(&files.weights)
                 .and_then(|ckpt| BertEncoder::load_checkpoint(&ckpt, dtype, device, &config));
             let text = text.join().unwrap_or_else(|_| {
-                Err(Error::Tokenizer("the tokenizer thread panicked".to_string()))
+                Err(Error::Tokenizer(
+                    "the tokenizer thread panicked".to_string(),
+                ))
             });
             (text, encoder)
         });

@@ -118,10 +118,19 @@ impl AttentionDump {
     /// dropping special-token keys), so heads that only park weight on `[CLS]`/`[SEP]`
     /// are not picked.
     pub fn sharpest_head(&self, special: &[bool]) -> (usize, usize) {
-        let mut best = (0, 0);
+        self.sharpest_among(special, None)
+    }
+
+    /// Like [`AttentionDump::sharpest_head`], restricted to head position `head` when given
+    /// (the sharpest layer for that head).
+    pub fn sharpest_among(&self, special: &[bool], head: Option<usize>) -> (usize, usize) {
+        let mut best = (0, head.unwrap_or(0));
         let mut best_score = f32::INFINITY;
         for (l, heads) in self.attentions.iter().enumerate() {
             for (h, m) in heads.iter().enumerate() {
+                if head.is_some_and(|only| only != h) {
+                    continue;
+                }
                 let score = mean_entropy(m, special);
                 if score < best_score {
                     best_score = score;
