@@ -268,7 +268,9 @@ fn print_text(
         let why = match (args.layer, args.head) {
             (Some(_), Some(_)) => "chosen with --layer and --head",
             (None, Some(_)) => "chosen with --head; the layer where it is sharpest",
-            (Some(_), None) => "the sharpest head of this layer: lowest mean row entropy over the words",
+            (Some(_), None) => {
+                "the sharpest head of this layer: lowest mean row entropy over the words"
+            }
             (None, None) => "sharpest pattern: lowest mean row entropy over the words",
         };
         let layer = view.layer_ids[lp];

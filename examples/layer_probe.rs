@@ -111,7 +111,10 @@ fn run(args: Args) -> anyhow::Result<()> {
         let load = t0.elapsed();
         let t1 = Instant::now();
         let out = head.forward_with_weights(&x, mask.as_ref())?;
-        eprintln!("{device_name}: loaded in {load:.1?}, ran in {:.1?}", t1.elapsed());
+        eprintln!(
+            "{device_name}: loaded in {load:.1?}, ran in {:.1?}",
+            t1.elapsed()
+        );
         out
     } else {
         let heads = match args.heads {
@@ -125,7 +128,10 @@ fn run(args: Args) -> anyhow::Result<()> {
         let load = t0.elapsed();
         let t1 = Instant::now();
         let out = attn.attend(&x, kv.as_ref(), mask.as_ref(), true)?;
-        eprintln!("{device_name}: loaded in {load:.1?}, ran in {:.1?}", t1.elapsed());
+        eprintln!(
+            "{device_name}: loaded in {load:.1?}, ran in {:.1?}",
+            t1.elapsed()
+        );
         out
     };
     let mut tensors = HashMap::new();

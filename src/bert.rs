@@ -260,10 +260,13 @@ impl BertEncoder {
         cfg: &HfConfig,
     ) -> Result<Self> {
         let vb = ckpt.var_builder(dtype, device);
-        let word_dtype = ["embeddings.word_embeddings.weight", "bert.embeddings.word_embeddings.weight"]
-            .into_iter()
-            .find_map(|n| ckpt.stored_dtype(n))
-            .filter(|d| dtype == DType::F32 && matches!(d, DType::F16 | DType::BF16));
+        let word_dtype = [
+            "embeddings.word_embeddings.weight",
+            "bert.embeddings.word_embeddings.weight",
+        ]
+        .into_iter()
+        .find_map(|n| ckpt.stored_dtype(n))
+        .filter(|d| dtype == DType::F32 && matches!(d, DType::F16 | DType::BF16));
         Self::load_inner(vb, cfg, word_dtype)
     }
 

@@ -94,7 +94,7 @@ fn encoder_is_deterministic_and_thread_safe() -> anyhow::Result<()> {
     let first = run()?;
     assert!(run()? == first, "two runs differ");
     std::thread::scope(|s| -> anyhow::Result<()> {
-        let handles: Vec<_> = (0..4).map(|_| s.spawn(&run)).collect();
+        let handles: Vec<_> = (0..4).map(|_| s.spawn(run)).collect();
         for h in handles {
             let got = h.join().map_err(|_| anyhow::anyhow!("thread panicked"))??;
             assert!(got == first, "a concurrent run differs");

@@ -41,8 +41,16 @@ fn fixture_error(name: &str, device: &Device, dtype: DType) -> anyhow::Result<(f
         let causal = fx.case_meta(&case)["causal"].as_bool().unwrap_or(false);
         let prefix = fx.prefix(&case);
         let vb = ckpt.var_builder(dtype, device);
-        let vb = if prefix.is_empty() { vb } else { vb.pp(&prefix) };
-        let x = fx.case_tensor(&case, "x")?.expect("x").to_dtype(dtype)?.to_device(device)?;
+        let vb = if prefix.is_empty() {
+            vb
+        } else {
+            vb.pp(&prefix)
+        };
+        let x = fx
+            .case_tensor(&case, "x")?
+            .expect("x")
+            .to_dtype(dtype)?
+            .to_device(device)?;
         let kv = match fx.case_tensor(&case, "kv")? {
             Some(kv) => Some(kv.to_dtype(dtype)?.to_device(device)?),
             None => None,
@@ -60,11 +68,23 @@ fn fixture_error(name: &str, device: &Device, dtype: DType) -> anyhow::Result<(f
             MultiHeadSelfAttention::load(vb, &cfg)?.attend(&x, kv.as_ref(), mask.as_ref(), true)?
         };
         let w = out.weights.expect("weights").to_device(&Device::Cpu)?;
-        assert!(!common::has_non_finite(&w)?, "{name}/{case}: non-finite weights");
+        assert!(
+            !common::has_non_finite(&w)?,
+            "{name}/{case}: non-finite weights"
+        );
         let c = out.context.to_device(&Device::Cpu)?;
-        assert!(!common::has_non_finite(&c)?, "{name}/{case}: non-finite context");
-        worst_w = worst_w.max(max_abs_diff(&w, &fx.case_tensor(&case, "weights")?.expect("w"))?);
-        worst_c = worst_c.max(max_abs_diff(&c, &fx.case_tensor(&case, "context")?.expect("c"))?);
+        assert!(
+            !common::has_non_finite(&c)?,
+            "{name}/{case}: non-finite context"
+        );
+        worst_w = worst_w.max(max_abs_diff(
+            &w,
+            &fx.case_tensor(&case, "weights")?.expect("w"),
+        )?);
+        worst_c = worst_c.max(max_abs_diff(
+            &c,
+            &fx.case_tensor(&case, "context")?.expect("c"),
+        )?);
     }
     Ok((worst_w, worst_c))
 }
@@ -72,11 +92,23 @@ fn fixture_error(name: &str, device: &Device, dtype: DType) -> anyhow::Result<(f
 fn golden_on(device: &Device) -> anyhow::Result<()> {
     for dtype in [DType::F32, DType::F16, DType::BF16] {
         let (tol_w, tol_c) = tolerances(dtype);
-        for name in ["torch_mha", "bert_layer", "gpt2_attn", "llama_gqa", "single_head"] {
+        for name in [
+            "torch_mha",
+            "bert_layer",
+            "gpt2_attn",
+            "llama_gqa",
+            "single_head",
+        ] {
             let (w, c) = fixture_error(name, device, dtype)?;
             eprintln!("{name} {dtype:?} on {device:?}: weights {w:e}, context {c:e}");
-            assert!(w <= tol_w, "{name} {dtype:?} on {device:?}: weights off by {w:e} > {tol_w:e}");
-            assert!(c <= tol_c, "{name} {dtype:?} on {device:?}: context off by {c:e} > {tol_c:e}");
+            assert!(
+                w <= tol_w,
+                "{name} {dtype:?} on {device:?}: weights off by {w:e} > {tol_w:e}"
+            );
+            assert!(
+                c <= tol_c,
+                "{name} {dtype:?} on {device:?}: context off by {c:e} > {tol_c:e}"
+            );
         }
     }
     Ok(())
@@ -94,9 +126,15 @@ fn fully_masked_rows_on(device: &Device) -> anyhow::Result<()> {
         // Second sequence: no real token at all.
         let keep = candle_core::Tensor::new(&[[1u8, 1, 1, 1, 0, 0], [0, 0, 0, 0, 0, 0]], device)?;
         let out = attn.forward_with_weights(&x, Some(&AttentionMask::padding(&keep)?))?;
-        assert!(!common::has_non_finite(&out.context)?, "{dtype:?} context has NaN/inf");
+        assert!(
+            !common::has_non_finite(&out.context)?,
+            "{dtype:?} context has NaN/inf"
+        );
         let w = out.weights.expect("weights");
-        assert!(!common::has_non_finite(&w)?, "{dtype:?} weights have NaN/inf");
+        assert!(
+            !common::has_non_finite(&w)?,
+            "{dtype:?} weights have NaN/inf"
+        );
         let dead = w.get(1)?.abs()?.max_all()?.to_scalar::<f32>()?;
         assert_eq!(dead, 0.0, "{dtype:?}: fully masked rows must be zero");
     }
