@@ -18,7 +18,7 @@ ITER_ARGS=()
 if [[ -n "${ITERS:-}" ]]; then ITER_ARGS=(--iters "$ITERS"); fi
 
 cargo build --release --example bench >&2
-BENCH=target/release/examples/bench
+BENCH="${CARGO_TARGET_DIR:-target}/release/examples/bench"
 OUT="$(mktemp)"
 trap 'rm -f "$OUT"' EXIT
 
