@@ -106,6 +106,35 @@ pub enum Error {
     /// A model could not be located (local directory or Hugging Face hub).
     #[error("cannot resolve model `{model}`: {reason}")]
     Model { model: String, reason: String },
+
+    /// An allocation the machine cannot provide, reported before it is attempted (e.g. the
+    /// attention weights of a long sequence).
+    #[error("{what} need {} but {}; ask for no weights (memory linear in the sequence) or stream them per block (`scaled_dot_product_attention_streamed`, `MultiHeadSelfAttention::forward_streamed`)", human_bytes(*.needed), .available.map(|a| format!("only {} are available", human_bytes(a))).unwrap_or_else(|| "that is more than this machine can address".to_string()))]
+    Memory {
+        /// What was about to be allocated.
+        what: String,
+        /// Bytes it needs.
+        needed: u64,
+        /// Bytes the OS reports as available, when known.
+        available: Option<u64>,
+    },
+
+    /// A CPU kernel was handed views that do not fit together (a bug in this crate, reported
+    /// instead of a panic).
+    #[error("attention kernel: {0}")]
+    Kernel(String),
+}
+
+fn human_bytes(b: u64) -> String {
+    if b == u64::MAX {
+        return "more than 2^64 bytes".to_string();
+    }
+    let gib = b as f64 / (1u64 << 30) as f64;
+    if gib >= 1.0 {
+        format!("{gib:.1} GiB ({b} bytes)")
+    } else {
+        format!("{:.1} MiB ({b} bytes)", b as f64 / (1u64 << 20) as f64)
+    }
 }
 
 fn available_hint(

@@ -5,7 +5,11 @@
 //! `nn.MultiheadAttention`, GPT-2, LLaMA) and match PyTorch.
 //!
 //! - [`scaled_dot_product_attention`]: `softmax(Q K^T / sqrt(d_k) + mask) V`, grouped K/V
-//!   heads, softmax in f32, fully masked rows give zeros (never NaN).
+//!   heads, softmax in f32, fully masked rows give zeros (never NaN). On the CPU it runs
+//!   tiled kernels (online softmax, memory linear in the sequence length without weights);
+//!   [`scaled_dot_product_attention_explicit`] is the reference composition of candle ops,
+//!   [`scaled_dot_product_attention_streamed`] hands out the weights block by block.
+//! - [`self_attention_cost`] / [`MultiHeadSelfAttention::cost`]: parameters and FLOPs.
 //! - [`AttentionMask`]: causal, padding (1 = keep), boolean keep/block, additive bias.
 //! - [`SingleHeadSelfAttention`] and [`MultiHeadSelfAttention`] built with a `VarBuilder`
 //!   from a [`WeightLayout`]; both implement [`candle_core::Module`].
@@ -30,30 +34,41 @@
 mod bert;
 mod checkpoint;
 mod config;
+mod cost;
 mod device;
 mod error;
+mod kernels;
 mod layout;
 mod mask;
+mod memory;
 mod model;
 mod multi_head;
 mod output;
 mod sdpa;
 mod single_head;
 mod softmax;
+mod stored_weight;
 mod text;
 pub mod viz;
 
 pub use bert::{l2_normalize, mean_pool, Activation, BertEncoder, BertLayer, EncoderOutput};
 pub use checkpoint::Checkpoint;
 pub use config::{AttentionConfig, HfConfig};
+pub use cost::{self_attention_cost, AttentionCost};
 pub use device::{parse_dtype, select_device};
 pub use error::{Error, Result};
+pub use kernels::WeightsBlock;
 pub use layout::{LinearWeights, Projections, WeightLayout};
 pub use mask::{AttentionMask, MaskPart};
+pub use memory::{attention_weights_bytes, available_memory_bytes};
 pub use model::{default_model_dir, Model, ModelFiles, ModelResolver, DEFAULT_MODEL_NAME};
 pub use multi_head::MultiHeadSelfAttention;
 pub use output::AttentionOutput;
-pub use sdpa::{scaled_dot_product_attention, SdpaOptions};
+pub use sdpa::{
+    scaled_dot_product_attention, scaled_dot_product_attention_explicit,
+    scaled_dot_product_attention_on, scaled_dot_product_attention_streamed, AttentionPath,
+    SdpaOptions,
+};
 pub use single_head::SingleHeadSelfAttention;
 pub use softmax::masked_softmax;
 pub use text::{EncodedBatch, EncodedText, TextEncoder};

@@ -165,6 +165,19 @@ impl AttentionMask {
             .all(|p| matches!(p, MaskPart::Causal { .. } | MaskPart::Padding(_)))
     }
 
+    /// The keep / block / bias parts alone (the ones without structure, which the CPU
+    /// kernels apply from a materialised bias).
+    pub(crate) fn unstructured_parts(&self) -> AttentionMask {
+        AttentionMask {
+            parts: self
+                .parts
+                .iter()
+                .filter(|p| matches!(p, MaskPart::Keep(_) | MaskPart::Bias(_)))
+                .cloned()
+                .collect(),
+        }
+    }
+
     /// Checks that every part fits attention of the given sizes.
     pub fn validate(&self, b: usize, h: usize, q: usize, k: usize) -> Result<()> {
         for part in &self.parts {

@@ -4,19 +4,25 @@ use candle_core::{DType, Module, Tensor};
 use candle_nn::VarBuilder;
 
 use crate::config::AttentionConfig;
+use crate::cost::{layer_cost, AttentionCost, LayerDims};
 use crate::error::{Error, Result};
+use crate::kernels::{self_attention, WeightsBlock, WeightsMode};
 use crate::layout::{LinearWeights, Projections};
 use crate::mask::AttentionMask;
 use crate::output::AttentionOutput;
-use crate::sdpa::{scaled_dot_product_attention, SdpaOptions};
+use crate::sdpa::{
+    scaled_dot_product_attention_on, scaled_dot_product_attention_streamed, AttentionPath,
+    SdpaOptions,
+};
+use crate::stored_weight::StoredWeight;
 
-/// Q, K and V projections. Fused into one `(q_out + k_out + v_out, in)` matrix at load time
-/// whenever the three read the same input width, so self-attention takes one matrix multiply.
+/// Q, K and V projections. Fused into one matrix at load time whenever the three read the
+/// same input width, so self-attention takes one matrix multiply.
 #[derive(Debug, Clone)]
 enum QkvProjection {
     Fused {
-        /// `(q_out + k_out + v_out, hidden)`
-        weight: Tensor,
+        /// `(hidden, q_out + k_out + v_out)`: the fused `W^T`, split `q | k, v`.
+        weight_t: StoredWeight,
         /// `(q_out + k_out + v_out,)`
         bias: Option<Tensor>,
     },
@@ -28,6 +34,15 @@ enum QkvProjection {
     },
 }
 
+/// The output projection `W_O`.
+#[derive(Debug, Clone)]
+struct OutProjection {
+    /// `(heads * v_head_dim, out)`: `W_O^T`.
+    weight_t: StoredWeight,
+    /// `(out,)`
+    bias: Option<Tensor>,
+}
+
 /// Multi-head attention: `concat(head_1..head_h) W_O` with
 /// `head_i = softmax(Q_i K_i^T / sqrt(d_head) + mask) V_i`.
 ///
@@ -35,10 +50,16 @@ enum QkvProjection {
 /// optional causal masking, self-attention ([`MultiHeadSelfAttention::forward`]) and
 /// cross-attention ([`MultiHeadSelfAttention::cross_attention`]). Implements
 /// [`candle_core::Module`] (context only).
+///
+/// On the CPU with f32 weights, self-attention runs as one fused pass: the Q/K/V projection
+/// (one matrix multiply, bias fused), the attention kernels reading the heads in place out of
+/// it and writing the context already merged, then `W_O`; the tiled kernel (memory linear in
+/// the sequence) when no weights are asked for. [`AttentionPath::Explicit`] (see
+/// [`MultiHeadSelfAttention::with_path`]) runs the explicit composition of candle ops instead.
 #[derive(Debug, Clone)]
 pub struct MultiHeadSelfAttention {
     qkv: QkvProjection,
-    out_proj: Option<LinearWeights>,
+    out_proj: Option<OutProjection>,
     hidden: usize,
     kv_hidden: usize,
     num_heads: usize,
@@ -47,6 +68,7 @@ pub struct MultiHeadSelfAttention {
     v_head_dim: usize,
     causal: bool,
     scale: Option<f64>,
+    path: AttentionPath,
 }
 
 impl MultiHeadSelfAttention {
@@ -149,6 +171,7 @@ impl MultiHeadSelfAttention {
         }
         let qkv = if k_in == hidden {
             let weight = Tensor::cat(&[&p.q.weight, &p.k.weight, &p.v.weight], 0)?; // (q+k+v, hidden)
+            let weight_t = StoredWeight::new(&weight, &[q_out])?; // (hidden, q+k+v)
             let bias = if p.q.bias.is_none() && p.k.bias.is_none() && p.v.bias.is_none() {
                 None
             } else {
@@ -167,7 +190,7 @@ impl MultiHeadSelfAttention {
                     0,
                 )?)
             };
-            QkvProjection::Fused { weight, bias }
+            QkvProjection::Fused { weight_t, bias }
         } else {
             QkvProjection::Separate {
                 q: p.q,
@@ -175,9 +198,16 @@ impl MultiHeadSelfAttention {
                 v: p.v,
             }
         };
+        let out_proj = match p.o {
+            Some(o) => Some(OutProjection {
+                weight_t: StoredWeight::new(&o.weight, &[])?, // (heads*v_head_dim, out)
+                bias: o.bias,
+            }),
+            None => None,
+        };
         Ok(Self {
             qkv,
-            out_proj: p.o,
+            out_proj,
             hidden,
             kv_hidden: k_in,
             num_heads: heads,
@@ -186,7 +216,68 @@ impl MultiHeadSelfAttention {
             v_head_dim,
             causal: cfg.causal,
             scale: cfg.scale,
+            path: AttentionPath::Auto,
         })
+    }
+
+    /// Chooses the implementation ([`AttentionPath::Auto`] by default; `Explicit` is the
+    /// reference composition of candle ops).
+    pub fn with_path(mut self, path: AttentionPath) -> Self {
+        self.path = path;
+        self
+    }
+
+    /// The implementation this layer runs.
+    pub fn path(&self) -> AttentionPath {
+        self.path
+    }
+
+    /// Number of weights and biases of the Q, K, V and output projections.
+    pub fn parameter_count(&self) -> Result<u64> {
+        let n = |t: &Tensor| t.elem_count() as u64;
+        let lin = |l: &LinearWeights| n(&l.weight) + l.bias.as_ref().map_or(0, n);
+        let qkv = match &self.qkv {
+            QkvProjection::Fused { weight_t, bias } => {
+                weight_t.elem_count() as u64 + bias.as_ref().map_or(0, n)
+            }
+            QkvProjection::Separate { q, k, v } => lin(q) + lin(k) + lin(v),
+        };
+        let out = self.out_proj.as_ref().map_or(0, |o| {
+            o.weight_t.elem_count() as u64 + o.bias.as_ref().map_or(0, n)
+        });
+        Ok(qkv + out)
+    }
+
+    /// Parameters and forward FLOPs of one call on `batch` sequences of `seq_q` queries and
+    /// `seq_k` keys (`seq_k == seq_q` for self-attention); with `causal`, only the visible
+    /// (query, key) pairs are counted. See [`AttentionCost`].
+    pub fn cost(
+        &self,
+        batch: usize,
+        seq_q: usize,
+        seq_k: usize,
+        causal: bool,
+    ) -> Result<AttentionCost> {
+        let bias = match &self.qkv {
+            QkvProjection::Fused { bias, .. } => bias.is_some(),
+            QkvProjection::Separate { q, .. } => q.bias.is_some(),
+        };
+        let dims = LayerDims {
+            hidden: self.hidden,
+            kv_hidden: self.kv_hidden,
+            heads: self.num_heads,
+            kv_heads: self.num_kv_heads,
+            head_dim: self.head_dim,
+            v_head_dim: self.v_head_dim,
+            out: match &self.out_proj {
+                Some(o) => Some(o.weight_t.dims()?.1),
+                None => None,
+            },
+            bias,
+        };
+        let mut cost = layer_cost(&dims, batch, seq_q, seq_k, causal);
+        cost.parameters = self.parameter_count()?;
+        Ok(cost)
     }
 
     /// Width of the input activations.
@@ -196,7 +287,7 @@ impl MultiHeadSelfAttention {
     /// Width of the output (after W_O, or `heads * v_head_dim` without it).
     pub fn output_size(&self) -> Result<usize> {
         Ok(match &self.out_proj {
-            Some(o) => o.dims()?.0,
+            Some(o) => o.weight_t.dims()?.1,
             None => self.num_heads * self.v_head_dim,
         })
     }
@@ -227,7 +318,7 @@ impl MultiHeadSelfAttention {
     /// Dtype of the weights (inputs must match it).
     pub fn dtype(&self) -> DType {
         match &self.qkv {
-            QkvProjection::Fused { weight, .. } => weight.dtype(),
+            QkvProjection::Fused { weight_t, .. } => weight_t.dtype(),
             QkvProjection::Separate { q, .. } => q.weight.dtype(),
         }
     }
@@ -270,13 +361,52 @@ impl MultiHeadSelfAttention {
         self.attend(x, Some(kv), mask, need_weights)
     }
 
+    /// Self-attention whose weights go to `on_block` one block of queries at a time
+    /// (in order of batch, head and query) instead of being returned, so that memory stays
+    /// linear in the sequence length: at `seq = 16384` with 8 heads the full weights would
+    /// be 8.6 GB ([`crate::attention_weights_bytes`] tells before allocating). Each block
+    /// holds exactly the rows [`MultiHeadSelfAttention::forward_with_weights`] returns.
+    ///
+    /// # Shapes
+    /// - `x`: `(batch, seq, hidden)`
+    /// - each [`WeightsBlock`]: `(rows, seq)` weights of one `(batch, head)`
+    /// - returns: `context` `(batch, seq, hidden_out)`, `weights` `None`
+    pub fn forward_streamed(
+        &self,
+        x: &Tensor,
+        mask: Option<&AttentionMask>,
+        mut on_block: impl FnMut(WeightsBlock<'_>) -> Result<()>,
+    ) -> Result<AttentionOutput> {
+        self.attend_with(x, None, mask, WeightsMode::Stream(&mut on_block))
+    }
+
     /// Self-attention (`kv = None`) or cross-attention, with or without the weights.
+    ///
+    /// # Shapes
+    /// - `x`: `(batch, seq_q, hidden)`, `kv`: `(batch, seq_k, kv_hidden)`
+    /// - returns: `context` `(batch, seq_q, hidden_out)`, `weights`
+    ///   `(batch, heads, seq_q, seq_k)` when `need_weights`
     pub fn attend(
         &self,
         x: &Tensor,
         kv: Option<&Tensor>,
         mask: Option<&AttentionMask>,
         need_weights: bool,
+    ) -> Result<AttentionOutput> {
+        let mode = if need_weights {
+            WeightsMode::Return
+        } else {
+            WeightsMode::Skip
+        };
+        self.attend_with(x, kv, mask, mode)
+    }
+
+    fn attend_with(
+        &self,
+        x: &Tensor,
+        kv: Option<&Tensor>,
+        mask: Option<&AttentionMask>,
+        mode: WeightsMode<'_>,
     ) -> Result<AttentionOutput> {
         let (b, t, d) = self.check_input("x", x, self.hidden)?;
         let (h, kvh, hd, vhd) = (
@@ -285,11 +415,61 @@ impl MultiHeadSelfAttention {
             self.head_dim,
             self.v_head_dim,
         );
+        let causal = self.causal && kv.is_none();
+        let combined;
+        let mask = match (causal, mask) {
+            (false, m) => m,
+            (true, None) => {
+                combined = AttentionMask::causal();
+                Some(&combined)
+            }
+            (true, Some(m)) => {
+                combined = AttentionMask::causal().and(m.clone());
+                Some(&combined)
+            }
+        };
+        if let Some(kv) = kv {
+            let (bk, _, _) = self.check_input("kv", kv, self.kv_hidden)?;
+            if bk != b {
+                return Err(Error::input(
+                    "kv",
+                    format!("batch {b} like x"),
+                    format!("batch {bk}"),
+                ));
+            }
+        }
+        // The fused CPU path: f32 weights the kernels can read, f32 input on the CPU.
+        if let (AttentionPath::Auto, QkvProjection::Fused { weight_t, bias }) =
+            (self.path, &self.qkv)
+        {
+            let out = match &self.out_proj {
+                Some(o) => o.weight_t.cpu_f32().map(Some),
+                None => Some(None),
+            };
+            if let (Some(qkv), Some(out), true, DType::F32) =
+                (weight_t.cpu_f32(), out, x.device().is_cpu(), x.dtype())
+            {
+                let layer = self_attention::FusedLayer {
+                    qkv,
+                    qkv_bias: bias.as_ref(),
+                    out,
+                    out_bias: self.out_proj.as_ref().and_then(|o| o.bias.as_ref()),
+                    heads: h,
+                    kv_heads: kvh,
+                    head_dim: hd,
+                    v_head_dim: vhd,
+                    scale: self.scale.unwrap_or(1.0 / (hd as f64).sqrt()),
+                };
+                let (context, weights) = self_attention::forward(&layer, x, kv, mask, mode)?;
+                return Ok(AttentionOutput { context, weights });
+            }
+        }
         let (q, k, v, s) = match kv {
             None => {
                 let (q, k, v) = match &self.qkv {
-                    QkvProjection::Fused { weight, bias } => {
-                        let qkv = linear(&x.reshape((b * t, d))?, weight, bias.as_ref())?; // (b*t, q+k+v)
+                    QkvProjection::Fused { weight_t, bias } => {
+                        let w = weight_t.tensor()?; // (hidden, q+k+v)
+                        let qkv = linear_in_out(&x.reshape((b * t, d))?, &w, bias.as_ref())?; // (b*t, q+k+v)
                         let q = qkv.narrow(1, 0, h * hd)?; // (b*t, h*hd)
                         let k = qkv.narrow(1, h * hd, kvh * hd)?; // (b*t, kvh*hd)
                         let v = qkv.narrow(1, (h + kvh) * hd, kvh * vhd)?; // (b*t, kvh*vhd)
@@ -309,17 +489,10 @@ impl MultiHeadSelfAttention {
                 (q, k, v, t)
             }
             Some(kv) => {
-                let (bk, s, dk) = self.check_input("kv", kv, self.kv_hidden)?;
-                if bk != b {
-                    return Err(Error::input(
-                        "kv",
-                        format!("batch {b} like x"),
-                        format!("batch {bk}"),
-                    ));
-                }
+                let (_, s, dk) = kv.dims3()?; // checked above
                 let (wq, bq, wkv, bkv) = self.split_for_cross()?;
-                let q = linear(&x.reshape((b * t, d))?, &wq, bq.as_ref())?; // (b*t, h*hd)
-                let kvp = linear(&kv.reshape((b * s, dk))?, &wkv, bkv.as_ref())?; // (b*s, kvh*(hd+vhd))
+                let q = linear_in_out(&x.reshape((b * t, d))?, &wq, bq.as_ref())?; // (b*t, h*hd)
+                let kvp = linear_in_out(&kv.reshape((b * s, dk))?, &wkv, bkv.as_ref())?; // (b*s, kvh*(hd+vhd))
                 let k = kvp.narrow(1, 0, kvh * hd)?; // (b*s, kvh*hd)
                 let v = kvp.narrow(1, kvh * hd, kvh * vhd)?; // (b*s, kvh*vhd)
                 (q, k, v, s)
@@ -328,34 +501,29 @@ impl MultiHeadSelfAttention {
         let q = q.reshape((b, t, h, hd))?.transpose(1, 2)?; // (b, h, t, hd)
         let k = k.reshape((b, s, kvh, hd))?.transpose(1, 2)?; // (b, kvh, s, hd)
         let v = v.reshape((b, s, kvh, vhd))?.transpose(1, 2)?; // (b, kvh, s, vhd)
-        let causal = self.causal && kv.is_none();
-        let combined;
-        let mask = match (causal, mask) {
-            (false, m) => m,
-            (true, None) => {
-                combined = AttentionMask::causal();
-                Some(&combined)
-            }
-            (true, Some(m)) => {
-                combined = AttentionMask::causal().and(m.clone());
-                Some(&combined)
-            }
-        };
-        let out = scaled_dot_product_attention(
-            &q,
-            &k,
-            &v,
-            mask,
-            SdpaOptions {
-                scale: self.scale,
-                need_weights,
+        let out = match mode {
+            WeightsMode::Stream(f) => AttentionOutput {
+                context: scaled_dot_product_attention_streamed(&q, &k, &v, mask, self.scale, f)?,
+                weights: None,
             },
-        )?;
+            mode => scaled_dot_product_attention_on(
+                &q,
+                &k,
+                &v,
+                mask,
+                SdpaOptions {
+                    scale: self.scale,
+                    need_weights: matches!(mode, WeightsMode::Return),
+                },
+                self.path,
+            )?,
+        };
         let ctx = out.context.transpose(1, 2)?.reshape((b, t, h * vhd))?; // (b, t, h*vhd)
         let context = match &self.out_proj {
             Some(o) => {
-                let (o_out, _) = o.dims()?;
-                linear(&ctx.reshape((b * t, h * vhd))?, &o.weight, o.bias.as_ref())?
+                let w = o.weight_t.tensor()?; // (h*vhd, out)
+                let (_, o_out) = w.dims2()?;
+                linear_in_out(&ctx.reshape((b * t, h * vhd))?, &w, o.bias.as_ref())?
                     .reshape((b, t, o_out))? // (b, t, out)
             }
             None => ctx,
@@ -398,7 +566,7 @@ impl MultiHeadSelfAttention {
         Ok((b, t, d))
     }
 
-    /// `(W_q, b_q, W_kv, b_kv)` for cross-attention.
+    /// `(W_q^T, b_q, W_kv^T, b_kv)` for cross-attention (weights as `(in, out)`).
     fn split_for_cross(&self) -> Result<(Tensor, Option<Tensor>, Tensor, Option<Tensor>)> {
         let (h, kvh, hd, vhd) = (
             self.num_heads,
@@ -407,11 +575,12 @@ impl MultiHeadSelfAttention {
             self.v_head_dim,
         );
         match &self.qkv {
-            QkvProjection::Fused { weight, bias } => {
+            QkvProjection::Fused { weight_t, bias } => {
                 let q_rows = h * hd;
                 let kv_rows = kvh * (hd + vhd);
-                let wq = weight.narrow(0, 0, q_rows)?;
-                let wkv = weight.narrow(0, q_rows, kv_rows)?;
+                let w = weight_t.tensor()?; // (hidden, q+k+v)
+                let wq = w.narrow(1, 0, q_rows)?; // (hidden, q)
+                let wkv = w.narrow(1, q_rows, kv_rows)?; // (hidden, k+v)
                 let (bq, bkv) = match bias {
                     Some(b) => (
                         Some(b.narrow(0, 0, q_rows)?),
@@ -422,7 +591,7 @@ impl MultiHeadSelfAttention {
                 Ok((wq, bq, wkv, bkv))
             }
             QkvProjection::Separate { q, k, v } => {
-                let wkv = Tensor::cat(&[&k.weight, &v.weight], 0)?;
+                let wkv = Tensor::cat(&[&k.weight, &v.weight], 0)?.t()?; // (kv_hidden, k+v)
                 let bkv = match (&k.bias, &v.bias) {
                     (None, None) => None,
                     (kb, vb) => {
@@ -439,10 +608,22 @@ impl MultiHeadSelfAttention {
                         Some(Tensor::cat(&[kb, vb], 0)?)
                     }
                 };
-                Ok((q.weight.clone(), q.bias.clone(), wkv, bkv))
+                Ok((q.weight.t()?, q.bias.clone(), wkv, bkv))
             }
         }
     }
+}
+
+/// `x W + b` for a weight already in `(in, out)` form.
+///
+/// # Shapes
+/// - `x`: `(n, in)`, `weight_t`: `(in, out)`, `bias`: `(out,)`; returns `(n, out)`
+fn linear_in_out(x: &Tensor, weight_t: &Tensor, bias: Option<&Tensor>) -> Result<Tensor> {
+    let y = x.matmul(weight_t)?;
+    Ok(match bias {
+        Some(b) => y.broadcast_add(b)?,
+        None => y,
+    })
 }
 
 /// `x W^T + b`.

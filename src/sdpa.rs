@@ -1,11 +1,29 @@
 //! Scaled dot-product attention: `softmax(Q K^T * scale + mask) V`, with grouped K/V heads.
+//!
+//! Two implementations with one meaning: on the CPU the kernels of `crate::kernels` (tiled
+//! online softmax in linear memory without weights, row blocks written straight into the
+//! weights tensor with them); elsewhere, and on request as the reference
+//! ([`scaled_dot_product_attention_explicit`]), the explicit composition of candle ops.
 
-use candle_core::{DType, Tensor};
+use candle_core::{DType, Device, Tensor};
 
 use crate::error::{Error, Result};
+use crate::kernels::{self, WeightsBlock, WeightsMode};
 use crate::mask::AttentionMask;
+use crate::memory;
 use crate::output::AttentionOutput;
 use crate::softmax::masked_softmax;
+
+/// Which implementation runs the attention.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub enum AttentionPath {
+    /// The CPU kernels on the CPU (any mask, f32 compute), the explicit composition elsewhere.
+    #[default]
+    Auto,
+    /// The explicit composition of candle ops (`Q K^T`, masked softmax, `P V`) on every
+    /// device: the reference the kernels are tested against.
+    Explicit,
+}
 
 /// Options of [`scaled_dot_product_attention`].
 #[derive(Debug, Clone, Copy, Default, PartialEq)]
@@ -33,6 +51,14 @@ impl SdpaOptions {
 /// `scaled_dot_product_attention(..., enable_gqa=True)`), without copying K or V.
 /// The softmax runs in f32 whatever the storage dtype; on the CPU the products do too.
 ///
+/// On the CPU this runs the tiled kernels: without weights, an online-softmax
+/// (FlashAttention-style) loop over key blocks whose memory is linear in the sequence length
+/// (causal masks skip the blocks above the diagonal); with weights, row blocks computed
+/// straight into the returned weights tensor, after checking that they fit in memory
+/// ([`crate::attention_weights_bytes`]; an [`Error::Memory`] otherwise, see
+/// [`scaled_dot_product_attention_streamed`]). Both equal
+/// [`scaled_dot_product_attention_explicit`] within 1e-5 in f32.
+///
 /// # Shapes
 /// - `q`: `(batch, heads, seq_q, d_k)`
 /// - `k`: `(batch, kv_heads, seq_k, d_k)`
@@ -47,6 +73,89 @@ pub fn scaled_dot_product_attention(
     mask: Option<&AttentionMask>,
     opts: SdpaOptions,
 ) -> Result<AttentionOutput> {
+    scaled_dot_product_attention_on(q, k, v, mask, opts, AttentionPath::Auto)
+}
+
+/// [`scaled_dot_product_attention`] on the explicit composition of candle ops whatever the
+/// device: `(Q * scale) K^T`, [`masked_softmax`], `P V`. It materialises the `(seq_q,
+/// seq_k)` scores; it is the reference the CPU kernels are tested against.
+///
+/// # Shapes
+/// Same as [`scaled_dot_product_attention`].
+pub fn scaled_dot_product_attention_explicit(
+    q: &Tensor,
+    k: &Tensor,
+    v: &Tensor,
+    mask: Option<&AttentionMask>,
+    opts: SdpaOptions,
+) -> Result<AttentionOutput> {
+    scaled_dot_product_attention_on(q, k, v, mask, opts, AttentionPath::Explicit)
+}
+
+/// [`scaled_dot_product_attention`] with the implementation chosen by `path`.
+///
+/// # Shapes
+/// Same as [`scaled_dot_product_attention`].
+pub fn scaled_dot_product_attention_on(
+    q: &Tensor,
+    k: &Tensor,
+    v: &Tensor,
+    mask: Option<&AttentionMask>,
+    opts: SdpaOptions,
+    path: AttentionPath,
+) -> Result<AttentionOutput> {
+    let (_, _, _, dk) = check_qkv(q, k, v)?;
+    let scale = opts.scale.unwrap_or(1.0 / (dk as f64).sqrt());
+    if path == AttentionPath::Auto && q.device().is_cpu() {
+        let mode = if opts.need_weights {
+            WeightsMode::Return
+        } else {
+            WeightsMode::Skip
+        };
+        let (context, weights) = kernels::sdpa::attention(q, k, v, mask, scale, mode)?;
+        return Ok(AttentionOutput { context, weights });
+    }
+    explicit(q, k, v, mask, scale, opts.need_weights)
+}
+
+/// Attention whose weights are handed to `on_block` one block of queries at a time instead
+/// of being returned: memory stays `O(threads * block * seq_k)` however long `seq_q` is.
+/// Blocks arrive in order of batch, head and query; each holds rows that sum to 1 (or are
+/// all 0 for a query whose keys are all masked), exactly the rows
+/// [`scaled_dot_product_attention`] would return. An error from `on_block` stops the call
+/// and is returned. Runs on the CPU (inputs elsewhere are copied there and the context
+/// copied back).
+///
+/// # Shapes
+/// - `q`, `k`, `v`, `mask`: as in [`scaled_dot_product_attention`]
+/// - each [`WeightsBlock`]: `(rows, seq_k)` of one `(batch, head)`
+/// - returns: the context `(batch, heads, seq_q, d_v)` in `v`'s dtype
+pub fn scaled_dot_product_attention_streamed(
+    q: &Tensor,
+    k: &Tensor,
+    v: &Tensor,
+    mask: Option<&AttentionMask>,
+    scale: Option<f64>,
+    mut on_block: impl FnMut(WeightsBlock<'_>) -> Result<()>,
+) -> Result<Tensor> {
+    let (_, _, _, dk) = check_qkv(q, k, v)?;
+    let scale = scale.unwrap_or(1.0 / (dk as f64).sqrt());
+    let device = q.device().clone();
+    let cpu = |t: &Tensor| t.to_device(&Device::Cpu);
+    let (qc, kc, vc) = (cpu(q)?, cpu(k)?, cpu(v)?);
+    let (context, _) = kernels::sdpa::attention(
+        &qc,
+        &kc,
+        &vc,
+        mask,
+        scale,
+        WeightsMode::Stream(&mut on_block),
+    )?;
+    Ok(context.to_device(&device)?)
+}
+
+/// Checks ranks, sizes, head grouping and dtypes; returns `(batch, heads, seq_q, d_k)`.
+fn check_qkv(q: &Tensor, k: &Tensor, v: &Tensor) -> Result<(usize, usize, usize, usize)> {
     let shape_err = |name: &str, what: &str, t: &Tensor| {
         Error::input(name, what, format!("shape {:?}", t.dims()))
     };
@@ -56,7 +165,7 @@ pub fn scaled_dot_product_attention(
     let (bk, kv, sk, dk2) = k
         .dims4()
         .map_err(|_| shape_err("k", "rank 4 (batch, kv_heads, seq_k, d_k)", k))?;
-    let (bv, kv2, sk2, dv) = v
+    let (bv, kv2, sk2, _dv) = v
         .dims4()
         .map_err(|_| shape_err("v", "rank 4 (batch, kv_heads, seq_k, d_v)", v))?;
     if bk != b || bv != b {
@@ -92,8 +201,27 @@ pub fn scaled_dot_product_attention(
             format!("q {:?}, k {:?}, v {:?}", q.dtype(), k.dtype(), v.dtype()),
         ));
     }
+    Ok((b, h, sq, dk))
+}
+
+/// The explicit composition (see [`scaled_dot_product_attention_explicit`]).
+fn explicit(
+    q: &Tensor,
+    k: &Tensor,
+    v: &Tensor,
+    mask: Option<&AttentionMask>,
+    scale: f64,
+    need_weights: bool,
+) -> Result<AttentionOutput> {
+    let (b, h, sq, dk) = q.dims4()?;
+    let (_, kv, sk, _) = k.dims4()?;
+    let (_, _, _, dv) = v.dims4()?;
+    if q.device().is_cpu() {
+        // Scores, their exponentials and the weights live at once in host memory.
+        let bytes = memory::attention_weights_bytes(b, h, sq, sk).saturating_mul(3);
+        memory::ensure_allocatable("the explicit attention scores and weights", bytes)?;
+    }
     let g = h / kv;
-    let scale = opts.scale.unwrap_or(1.0 / (dk as f64).sqrt());
     let bias = match mask {
         Some(m) if !m.is_empty() => m.to_bias(b, h, sq, sk, q.device())?,
         _ => None,
@@ -123,6 +251,6 @@ pub fn scaled_dot_product_attention(
     let context = pv.reshape((b, h, sq, dv))?.to_dtype(out_dtype)?; // (b, h, sq, dv)
     Ok(AttentionOutput {
         context,
-        weights: opts.need_weights.then_some(probs),
+        weights: need_weights.then_some(probs),
     })
 }

@@ -1,0 +1,491 @@
+//! Times one multi-head self-attention forward (projections, attention, `W_O`) at one shape,
+//! so it can be set side by side with other tools (`benches/compare_pytorch.py`,
+//! `benches/side_by_side.sh`).
+//!
+//! ```text
+//! cargo run --release --example bench -- --batch 1 --seq 128 --hidden 768 --heads 12 \
+//!   [--kv-heads N] [--causal] [--weights] [--dtype f32] [--iters N] [--core] \
+//!   [--impl ours|naive|candle-flash|candle-matmul] [--json]
+//! ```
+//!
+//! `--json` prints one JSON object `{"batch", "seq", "hidden", "heads", "median_ms",
+//! "gflops", "peak_rss_mb", ...}` for the chosen `--impl` (default ours), nothing else on
+//! stdout. Without it, a table shows ours, the naive candle composition (matmul,
+//! `softmax_last_dim`, matmul, as candle-transformers' BERT does) and
+//! `candle_nn::attention::flash_attn` (candle's CPU kernel) at the same shape, with ratios,
+//! and candle's 2048 x 2048 matrix multiply as the machine's reference throughput.
+//!
+//! `--core` times the attention alone on random `(batch, heads, seq, hidden / heads)` Q, K
+//! and V (what `F.scaled_dot_product_attention` does), without the projections.
+//! Threads: the rayon pool (`RAYON_NUM_THREADS`, default one per core).
+
+use std::time::Instant;
+
+use anyhow::{bail, Context};
+use candle_attention::{
+    attention_weights_bytes, available_memory_bytes, parse_dtype, scaled_dot_product_attention,
+    self_attention_cost, AttentionConfig, AttentionMask, LinearWeights, MultiHeadSelfAttention,
+    Projections, SdpaOptions, WeightLayout,
+};
+use candle_core::{DType, Device, Tensor, D};
+use candle_nn::attention::{flash_attn, AttnMask};
+use clap::{Parser, ValueEnum};
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+enum Impl {
+    /// This crate (`MultiHeadSelfAttention::forward`, or `scaled_dot_product_attention` with
+    /// `--core`).
+    Ours,
+    /// Candle ops composed as candle-transformers' BERT does.
+    Naive,
+    /// `candle_nn::attention::flash_attn` for the attention, candle matmuls around it.
+    CandleFlash,
+    /// Candle's `seq x seq` by `seq x seq` f32 matrix multiply (the machine's reference).
+    CandleMatmul,
+}
+
+impl Impl {
+    fn label(&self) -> &'static str {
+        match self {
+            Impl::Ours => "candle-attention (ours)",
+            Impl::Naive => "naive candle composition",
+            Impl::CandleFlash => "candle_nn flash_attn (CPU)",
+            Impl::CandleMatmul => "candle matmul",
+        }
+    }
+    fn name(&self) -> &'static str {
+        match self {
+            Impl::Ours => "ours",
+            Impl::Naive => "naive",
+            Impl::CandleFlash => "candle-flash",
+            Impl::CandleMatmul => "candle-matmul",
+        }
+    }
+}
+
+#[derive(Parser, Debug)]
+#[command(about = "Time one multi-head self-attention forward at one shape")]
+struct Args {
+    #[arg(long, default_value_t = 1)]
+    batch: usize,
+    #[arg(long, default_value_t = 128)]
+    seq: usize,
+    #[arg(long, default_value_t = 768)]
+    hidden: usize,
+    #[arg(long, default_value_t = 12)]
+    heads: usize,
+    /// Key/value heads (grouped-query attention); default: `--heads`.
+    #[arg(long)]
+    kv_heads: Option<usize>,
+    /// Causal self-attention.
+    #[arg(long)]
+    causal: bool,
+    /// Also return the attention weights `(batch, heads, seq, seq)`.
+    #[arg(long)]
+    weights: bool,
+    /// f32, f16 or bf16 (weights and activations; compute is f32 on the CPU).
+    #[arg(long, default_value = "f32")]
+    dtype: String,
+    /// Timed iterations after one warm-up (default: about 2 s worth, 3 to 100).
+    #[arg(long)]
+    iters: Option<usize>,
+    /// The attention alone on random Q, K, V (no projections).
+    #[arg(long)]
+    core: bool,
+    /// Which implementation to time with `--json`.
+    #[arg(long = "impl", value_enum, default_value_t = Impl::Ours)]
+    implementation: Impl,
+    /// One JSON object on stdout.
+    #[arg(long)]
+    json: bool,
+}
+
+/// What one implementation needs for one forward.
+struct Setup {
+    x: Tensor,
+    /// Ours.
+    layer: MultiHeadSelfAttention,
+    /// The same weights for the candle baselines: (w_q, w_k, w_v, b_q, b_k, b_v, w_o, b_o).
+    raw: [Tensor; 8],
+    /// `--core` inputs: q `(b, h, t, hd)`, k and v `(b, kvh, t, hd)`; for flash_attn the
+    /// same values as `(b, t, h, hd)`.
+    core: Option<[Tensor; 6]>,
+}
+
+struct Measured {
+    median_ms: f64,
+    iters: usize,
+}
+
+fn main() -> anyhow::Result<()> {
+    let args = Args::parse();
+    let dtype = parse_dtype(&args.dtype)?;
+    if args.heads == 0 || args.hidden % args.heads != 0 {
+        bail!(
+            "--heads {} must divide --hidden {}",
+            args.heads,
+            args.hidden
+        );
+    }
+    let kvh = args.kv_heads.unwrap_or(args.heads);
+    if kvh == 0 || args.heads % kvh != 0 {
+        bail!("--kv-heads {kvh} must divide --heads {}", args.heads);
+    }
+    let threads = rayon::current_num_threads();
+    if args.json {
+        let setup = setup(&args, dtype, kvh, args.implementation)?;
+        let m = measure(&args, &setup, args.implementation, kvh)?;
+        let m = m.context("this implementation cannot run this configuration")?;
+        let flops = flops(&args, kvh, args.implementation);
+        let obj = serde_json::json!({
+            "batch": args.batch,
+            "seq": args.seq,
+            "hidden": args.hidden,
+            "heads": args.heads,
+            "median_ms": round3(m.median_ms),
+            "gflops": round3(flops / (m.median_ms * 1e-3) / 1e9),
+            "peak_rss_mb": round3(peak_rss_mib()?),
+            "kv_heads": kvh,
+            "causal": args.causal,
+            "weights": args.weights,
+            "core": args.core,
+            "dtype": args.dtype,
+            "impl": args.implementation.name(),
+            "threads": threads,
+            "iters": m.iters,
+        });
+        println!("{obj}");
+        return Ok(());
+    }
+
+    println!(
+        "batch {}, seq {}, hidden {}, heads {} (kv {kvh}), {}{}, {}, {}, {threads} threads",
+        args.batch,
+        args.seq,
+        args.hidden,
+        args.heads,
+        args.dtype,
+        if args.causal { ", causal" } else { "" },
+        if args.weights {
+            "with weights"
+        } else {
+            "no weights"
+        },
+        if args.core {
+            "attention only (--core)"
+        } else {
+            "projections + attention + W_O"
+        },
+    );
+    let t0 = Instant::now();
+    let setup = setup(&args, dtype, kvh, Impl::Ours)?;
+    println!("setup {:.0} ms", t0.elapsed().as_secs_f64() * 1e3);
+    println!(
+        "{:<28} {:>11} {:>9} {:>13} {:>8}",
+        "implementation", "median ms", "GFLOP/s", "peak RSS MiB", "ours is"
+    );
+    let mut ours_ms = None;
+    for imp in [Impl::Ours, Impl::Naive, Impl::CandleFlash] {
+        reset_peak_rss();
+        let fl = flops(&args, kvh, imp);
+        match measure(&args, &setup, imp, kvh)? {
+            Some(m) => {
+                let ours = *ours_ms.get_or_insert(m.median_ms);
+                println!(
+                    "{:<28} {:>11.3} {:>9.1} {:>13.0} {:>7.2}x",
+                    imp.label(),
+                    m.median_ms,
+                    fl / (m.median_ms * 1e-3) / 1e9,
+                    peak_rss_mib()?,
+                    m.median_ms / ours
+                );
+            }
+            None => println!("{:<28} {:>11}", imp.label(), "n/a"),
+        }
+    }
+    let mm = Args {
+        seq: 2048,
+        iters: Some(5),
+        ..args
+    };
+    let m = measure(&mm, &setup, Impl::CandleMatmul, kvh)?.context("matmul")?;
+    println!(
+        "reference: candle 2048x2048 f32 matmul {:.1} GFLOP/s",
+        flops(&mm, kvh, Impl::CandleMatmul) / (m.median_ms * 1e-3) / 1e9
+    );
+    Ok(())
+}
+
+fn round3(x: f64) -> f64 {
+    (x * 1e3).round() / 1e3
+}
+
+/// FLOPs of one call (see `candle_attention::AttentionCost`).
+fn flops(args: &Args, kvh: usize, imp: Impl) -> f64 {
+    if imp == Impl::CandleMatmul {
+        return 2.0 * (args.seq as f64).powi(3);
+    }
+    let c = self_attention_cost(
+        args.batch,
+        args.seq,
+        args.hidden,
+        args.heads,
+        kvh,
+        args.causal,
+    );
+    if args.core {
+        c.attention_flops as f64
+    } else {
+        c.flops() as f64
+    }
+}
+
+fn randn(shape: &[usize], std: f64, dtype: DType) -> anyhow::Result<Tensor> {
+    Ok(Tensor::randn(0f32, std as f32, shape, &Device::Cpu)?.to_dtype(dtype)?)
+}
+
+fn setup(args: &Args, dtype: DType, kvh: usize, imp: Impl) -> anyhow::Result<Setup> {
+    let (b, t, d, h) = (args.batch, args.seq, args.hidden, args.heads);
+    let hd = d / h;
+    let kv_out = kvh * hd;
+    let std = 1.0 / (d as f64).sqrt();
+    let raw = [
+        randn(&[d, d], std, dtype)?,
+        randn(&[kv_out, d], std, dtype)?,
+        randn(&[kv_out, d], std, dtype)?,
+        randn(&[d], 0.02, dtype)?,
+        randn(&[kv_out], 0.02, dtype)?,
+        randn(&[kv_out], 0.02, dtype)?,
+        randn(&[d, d], std, dtype)?,
+        randn(&[d], 0.02, dtype)?,
+    ];
+    let lin = |w: usize, bias: usize, name: &str| {
+        LinearWeights::new(raw[w].clone(), Some(raw[bias].clone()), name)
+    };
+    let p = Projections {
+        q: lin(0, 3, "q"),
+        k: lin(1, 4, "k"),
+        v: lin(2, 5, "v"),
+        o: Some(lin(6, 7, "o")),
+    };
+    let cfg = AttentionConfig::new(WeightLayout::TorchMha, h)
+        .with_kv_heads(kvh)
+        .with_causal(args.causal);
+    let layer = MultiHeadSelfAttention::new(p, &cfg)?;
+    let core = if args.core && imp != Impl::CandleMatmul {
+        let q = randn(&[b, h, t, hd], 1.0, dtype)?; // (b, h, t, hd)
+        let k = randn(&[b, kvh, t, hd], 1.0, dtype)?; // (b, kvh, t, hd)
+        let v = randn(&[b, kvh, t, hd], 1.0, dtype)?; // (b, kvh, t, hd)
+        let bshd = |x: &Tensor| -> anyhow::Result<Tensor> { Ok(x.transpose(1, 2)?.contiguous()?) }; // (b, t, h, hd)
+        let (qf, kf, vf) = (bshd(&q)?, bshd(&k)?, bshd(&v)?);
+        Some([q, k, v, qf, kf, vf])
+    } else {
+        None
+    };
+    let x = if args.core {
+        Tensor::zeros(1, dtype, &Device::Cpu)?
+    } else {
+        randn(&[b, t, d], 1.0, dtype)? // (b, t, d)
+    };
+    Ok(Setup {
+        x,
+        layer,
+        raw,
+        core,
+    })
+}
+
+/// Median time of `imp`, `None` when it cannot run this configuration (or would need more
+/// memory than the machine has).
+fn measure(args: &Args, s: &Setup, imp: Impl, kvh: usize) -> anyhow::Result<Option<Measured>> {
+    let run: Box<dyn Fn() -> anyhow::Result<()>> = match imp {
+        Impl::Ours => Box::new(|| ours(args, s)),
+        Impl::Naive => {
+            // Scores, exponentials, weights: ~3 (b, h, t, t) f32 tensors at once.
+            let need = attention_weights_bytes(args.batch, args.heads, args.seq, args.seq) * 3;
+            if need > available_memory_bytes().unwrap_or(u64::MAX) / 2 {
+                eprintln!("naive: skipped, needs ~{} MiB for the scores", need >> 20);
+                return Ok(None);
+            }
+            Box::new(move || naive(args, s, kvh))
+        }
+        Impl::CandleFlash => {
+            if args.weights || args.batch > 1 && args.causal && args.core {
+                return Ok(None);
+            }
+            Box::new(move || candle_flash(args, s, kvh))
+        }
+        Impl::CandleMatmul => {
+            let n = args.seq;
+            let a = Tensor::randn(0f32, 1.0, (n, n), &Device::Cpu)?;
+            let bm = Tensor::randn(0f32, 1.0, (n, n), &Device::Cpu)?;
+            Box::new(move || {
+                a.matmul(&bm)?;
+                Ok(())
+            })
+        }
+    };
+    let t0 = Instant::now();
+    run()?; // warm-up
+    let first = t0.elapsed().as_secs_f64();
+    let iters = match args.iters {
+        Some(n) => n.max(1),
+        None if first > 2.0 => 1,
+        None => ((2.0 / first.max(1e-6)) as usize).clamp(3, 100),
+    };
+    let mut times = Vec::with_capacity(iters);
+    for _ in 0..iters {
+        let t = Instant::now();
+        run()?;
+        times.push(t.elapsed().as_secs_f64() * 1e3);
+    }
+    times.sort_by(f64::total_cmp);
+    let n = times.len();
+    let median_ms = if n % 2 == 1 {
+        times[n / 2]
+    } else {
+        (times[n / 2 - 1] + times[n / 2]) / 2.0
+    };
+    Ok(Some(Measured { median_ms, iters }))
+}
+
+fn ours(args: &Args, s: &Setup) -> anyhow::Result<()> {
+    if let Some([q, k, v, ..]) = &s.core {
+        let mask = args.causal.then(AttentionMask::causal);
+        let opts = SdpaOptions {
+            scale: None,
+            need_weights: args.weights,
+        };
+        let out = scaled_dot_product_attention(q, k, v, mask.as_ref(), opts)?;
+        std::hint::black_box(out);
+        return Ok(());
+    }
+    let out = if args.weights {
+        s.layer.forward_with_weights(&s.x, None)?
+    } else {
+        s.layer.forward(&s.x, None)?
+    };
+    std::hint::black_box(out);
+    Ok(())
+}
+
+/// `x W^T + b` with candle ops (as `candle_nn::Linear` does).
+fn linear(x: &Tensor, w: &Tensor, b: &Tensor) -> anyhow::Result<Tensor> {
+    Ok(x.broadcast_matmul(&w.t()?)?.broadcast_add(b)?)
+}
+
+/// `(b, kvh, t, hd)` repeated to `(b, h, t, hd)` (candle-transformers' `repeat_kv`).
+fn repeat_kv(x: Tensor, groups: usize) -> anyhow::Result<Tensor> {
+    if groups == 1 {
+        return Ok(x);
+    }
+    let (b, kvh, t, hd) = x.dims4()?;
+    Ok(Tensor::cat(&vec![&x; groups], 2)?.reshape((b, kvh * groups, t, hd))?)
+}
+
+/// The projections the candle baselines share: q `(b, h, t, hd)` and k, v `(b, kvh, t, hd)`
+/// for the naive path, or `(b, t, h, hd)` for flash_attn.
+fn project(args: &Args, s: &Setup, kvh: usize, bshd: bool) -> anyhow::Result<[Tensor; 3]> {
+    let (b, t, h) = (args.batch, args.seq, args.heads);
+    let hd = args.hidden / h;
+    let [wq, wk, wv, bq, bk, bv, ..] = &s.raw;
+    let split = |y: Tensor, n: usize| -> anyhow::Result<Tensor> {
+        let y = y.reshape((b, t, n, hd))?; // (b, t, n, hd)
+        Ok(if bshd {
+            y
+        } else {
+            y.transpose(1, 2)?.contiguous()? // (b, n, t, hd)
+        })
+    };
+    Ok([
+        split(linear(&s.x, wq, bq)?, h)?,
+        split(linear(&s.x, wk, bk)?, kvh)?,
+        split(linear(&s.x, wv, bv)?, kvh)?,
+    ])
+}
+
+fn causal_bias(t: usize, dtype: DType) -> anyhow::Result<Tensor> {
+    let data: Vec<f32> = (0..t * t)
+        .map(|i| {
+            if i % t > i / t {
+                f32::NEG_INFINITY
+            } else {
+                0.0
+            }
+        })
+        .collect();
+    Ok(Tensor::from_vec(data, (1, 1, t, t), &Device::Cpu)?.to_dtype(dtype)?)
+}
+
+fn naive(args: &Args, s: &Setup, kvh: usize) -> anyhow::Result<()> {
+    let (b, t, h) = (args.batch, args.seq, args.heads);
+    let hd = args.hidden / h;
+    let [q, k, v] = match &s.core {
+        Some([q, k, v, ..]) => [q.clone(), k.clone(), v.clone()],
+        None => project(args, s, kvh, false)?,
+    };
+    let (k, v) = (repeat_kv(k, h / kvh)?, repeat_kv(v, h / kvh)?);
+    let scores = (q.matmul(&k.t()?)? / (hd as f64).sqrt())?; // (b, h, t, t)
+    let scores = if args.causal {
+        scores.broadcast_add(&causal_bias(t, scores.dtype())?)?
+    } else {
+        scores
+    };
+    let probs = candle_nn::ops::softmax_last_dim(&scores)?; // (b, h, t, t)
+    let ctx = probs.matmul(&v)?; // (b, h, t, hd)
+    if s.core.is_some() {
+        std::hint::black_box((ctx, probs));
+        return Ok(());
+    }
+    let ctx = ctx.transpose(1, 2)?.contiguous()?.reshape((b, t, h * hd))?; // (b, t, d)
+    let out = linear(&ctx, &s.raw[6], &s.raw[7])?;
+    std::hint::black_box((out, probs));
+    Ok(())
+}
+
+fn candle_flash(args: &Args, s: &Setup, kvh: usize) -> anyhow::Result<()> {
+    let (b, t, h) = (args.batch, args.seq, args.heads);
+    let hd = args.hidden / h;
+    let [q, k, v] = match &s.core {
+        Some([_, _, _, q, k, v]) => [q.clone(), k.clone(), v.clone()],
+        None => project(args, s, kvh, true)?,
+    };
+    let mask = if args.causal {
+        AttnMask::causal()
+    } else {
+        AttnMask::None
+    };
+    let scale = 1.0 / (hd as f32).sqrt();
+    let ctx = match q.dtype() {
+        DType::F32 => flash_attn::<f32>(&q, &k, &v, scale, mask, None, None)?,
+        DType::F16 => flash_attn::<half::f16>(&q, &k, &v, scale, mask, None, None)?,
+        DType::BF16 => flash_attn::<half::bf16>(&q, &k, &v, scale, mask, None, None)?,
+        other => bail!("flash_attn: unsupported dtype {other:?}"),
+    }; // (b, h, t, hd)
+    if s.core.is_some() {
+        std::hint::black_box(ctx);
+        return Ok(());
+    }
+    let ctx = ctx.transpose(1, 2)?.contiguous()?.reshape((b, t, h * hd))?; // (b, t, d)
+    let out = linear(&ctx, &s.raw[6], &s.raw[7])?;
+    std::hint::black_box(out.sum(D::Minus1)?);
+    Ok(())
+}
+
+/// Peak resident memory of this process (`VmHWM`), MiB.
+fn peak_rss_mib() -> anyhow::Result<f64> {
+    let status = std::fs::read_to_string("/proc/self/status").context("/proc/self/status")?;
+    let kib: f64 = status
+        .lines()
+        .find_map(|l| l.strip_prefix("VmHWM:"))
+        .and_then(|v| v.split_whitespace().next())
+        .and_then(|v| v.parse().ok())
+        .context("no VmHWM in /proc/self/status")?;
+    Ok(kib / 1024.0)
+}
+
+/// Restarts the peak-RSS count (Linux: `5` into `/proc/self/clear_refs`), so each row of the
+/// table shows its own peak; best effort.
+fn reset_peak_rss() {
+    let _ = std::fs::write("/proc/self/clear_refs", "5");
+}

@@ -1,0 +1,198 @@
+//! Exact attention in memory linear in the sequence length: tiles of queries against tiles
+//! of keys with an online (running max / running sum) softmax, FlashAttention-style, on the
+//! CPU. The `(seq_q, seq_k)` matrix never exists; each task keeps one `(q_block, k_block)`
+//! score tile and one `(q_block, d_v)` accumulator.
+//!
+//! Tasks are `(batch, head, query block)`, run in parallel on the rayon pool, heaviest
+//! first. Causal masks end each task's key loop at the diagonal (blocks above it are never
+//! computed) and mask only the tiles that cross it; padding ranges skip the padded keys.
+//! When the keys fit in one tile (up to 512) the task computes the whole softmax at once,
+//! with the same code as the weights kernel, so both paths give the same bits.
+
+use std::ops::Range;
+
+use rayon::prelude::*;
+
+use super::matrix::MatMut;
+use super::problem::{OutOperand, Problem};
+use super::rows::{rows_per_block, softmax_block};
+use super::scratch::{split, with_scratch};
+use super::simd;
+use super::tile_products::{KvPanels, Products, KEY_PANEL};
+use crate::error::Result;
+
+/// Packed K and V above this size are packed one key/value head at a time (the heads then
+/// run one after the other, each with all threads), so memory stays linear and small.
+const UPFRONT_PANEL_BYTES: usize = 32 << 20;
+
+/// Tile sizes of the tiled kernel.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct Blocks {
+    /// Query rows per task.
+    pub q: usize,
+    /// Keys per score tile.
+    pub k: usize,
+}
+
+impl Blocks {
+    /// Tiles for a problem of these sizes: a `(q, k)` score tile plus the K and V panels it
+    /// reads stay in a core's L2 cache, and there are enough tasks to feed every thread.
+    /// `align`: score tiles start at multiples of it.
+    pub fn for_problem(p: &Problem<'_>, threads: usize, align: usize) -> Self {
+        if p.seq_k <= 512 {
+            // One tile of keys: the same row blocks as the weights kernel.
+            return Self {
+                q: rows_per_block(p, threads),
+                k: p.seq_k.max(1),
+            };
+        }
+        let k = (256 / align).max(1) * align;
+        let mut q = 256;
+        // Smaller query blocks when there are too few tasks to go round.
+        while q > 16 && p.batch * p.heads * p.seq_q.div_ceil(q) < 4 * threads {
+            q /= 2;
+        }
+        Self { q, k }
+    }
+}
+
+/// Context of every query (no weights), written to `out`; `packed`: use the micro-kernels
+/// (AVX-512) on packed K and V.
+///
+/// # Shapes
+/// - `p.q`: `(batch, heads, seq_q, d_k)`, `p.k`: `(batch, kv_heads, seq_k, d_k)`,
+///   `p.v`: `(batch, kv_heads, seq_k, d_v)` (strided views)
+/// - `out`: `(batch, heads, seq_q, d_v)` (strided view)
+pub(crate) fn attention_tiled(p: &Problem<'_>, out: &OutOperand<'_>, packed: bool) -> Result<()> {
+    p.validate()?;
+    let threads = rayon::current_num_threads();
+    let groups = p.batch * p.kv_heads;
+    if !packed {
+        let blocks = Blocks::for_problem(p, threads, 1);
+        return run_groups(p, out, blocks, Products::Strided, 0..groups);
+    }
+    let blocks = Blocks::for_problem(p, threads, KEY_PANEL);
+    if KvPanels::bytes(p, groups) <= UPFRONT_PANEL_BYTES {
+        let kv = KvPanels::pack(p, 0, groups)?;
+        return run_groups(p, out, blocks, Products::Packed(&kv), 0..groups);
+    }
+    for g in 0..groups {
+        let kv = KvPanels::pack(p, g, 1)?;
+        run_groups(p, out, blocks, Products::Packed(&kv), g..g + 1)?;
+    }
+    Ok(())
+}
+
+/// Every task of the heads of key/value groups `groups` (group = `batch * kv_heads +
+/// kv_head`).
+fn run_groups(
+    p: &Problem<'_>,
+    out: &OutOperand<'_>,
+    blocks: Blocks,
+    prods: Products<'_>,
+    groups: Range<usize>,
+) -> Result<()> {
+    let per_group = p.heads / p.kv_heads;
+    let nqb = p.seq_q.div_ceil(blocks.q);
+    let pairs = groups.len() * per_group;
+    let tasks = pairs * nqb;
+    // Task t: the heaviest query blocks (last ones, under a causal mask) first.
+    let run = |t: usize| -> Result<()> {
+        let qb = nqb - 1 - t / pairs;
+        let pair = t % pairs;
+        let g = groups.start + pair / per_group;
+        let (b, kvh) = (g / p.kv_heads, g % p.kv_heads);
+        let h = kvh * per_group + pair % per_group;
+        let i0 = qb * blocks.q;
+        let n = blocks.q.min(p.seq_q - i0);
+        task(p, out, blocks, prods, b, h, i0, n)
+    };
+    if tasks <= 1 || rayon::current_num_threads() == 1 {
+        (0..tasks).try_for_each(run)
+    } else {
+        (0..tasks).into_par_iter().with_max_len(1).try_for_each(run)
+    }
+}
+
+/// Queries `i0..i0 + n` of head `h` in batch `b`.
+#[allow(clippy::too_many_arguments)]
+fn task(
+    p: &Problem<'_>,
+    out: &OutOperand<'_>,
+    blocks: Blocks,
+    prods: Products<'_>,
+    b: usize,
+    h: usize,
+    i0: usize,
+    n: usize,
+) -> Result<()> {
+    let dv = p.dv;
+    let (first, end) = p.key_range(b, i0, n);
+    let align = prods.key_align();
+    // A tile starts at a multiple of `align` at or before its first key.
+    let ld = blocks.k + align;
+    let sizes = [n * ld, n * dv, n, n, prods.q_scratch(p, n)];
+    with_scratch(sizes.iter().sum(), |buf| {
+        let [s, acc, m, l, qs] = split(buf, sizes);
+        if end - first <= blocks.k {
+            // One tile: softmax of the whole rows, as the weights kernel does.
+            // SAFETY: this task is the only one that handles rows i0..i0+n of head h in b.
+            let mut o = unsafe { out.mat_mut(b, h, i0, n, dv)? };
+            return softmax_block(p, prods, &mut o, s, ld, 0, b, h, i0, n, (first, end), qs);
+        }
+        prods.prepare_queries(p, b, h, i0, n, qs)?;
+        m.fill(f32::NEG_INFINITY);
+        l.fill(0.0);
+        acc.fill(0.0);
+        let masked_parts = p.mask.key_bias.is_some() || p.mask.dense.is_some();
+        let mut j0 = first / align * align;
+        while j0 < end {
+            let hi = (j0 + blocks.k).min(end);
+            let lo = first.max(j0);
+            // S = scale * Q K^T for keys j0..hi, (n, hi - j0) at stride ld
+            prods.scores(p, b, h, i0, n, (j0, hi), qs, s, ld)?;
+            let (off, cols) = (lo - j0, hi - lo);
+            let masked = masked_parts || p.causal_cuts(i0, lo, cols);
+            for r in 0..n {
+                let row = &mut s[r * ld + off..r * ld + off + cols];
+                if masked {
+                    p.mask_row(row, b, h, i0 + r, lo)?;
+                }
+                let m_old = m[r];
+                let m_new = m_old.max(simd::row_max(row));
+                if m_new == f32::NEG_INFINITY {
+                    // Every key so far is hidden from this query: nothing to add.
+                    row.fill(0.0);
+                    continue;
+                }
+                let alpha = if m_old == f32::NEG_INFINITY {
+                    0.0
+                } else {
+                    simd::exp(m_old - m_new)
+                };
+                let sum = simd::exp_shifted_sum(row, m_new);
+                l[r] = l[r] * alpha + sum;
+                m[r] = m_new;
+                if alpha != 1.0 {
+                    simd::scale(&mut acc[r * dv..(r + 1) * dv], alpha);
+                }
+            }
+            // acc += P V, (n, dv)
+            let mut accm = MatMut::new(acc, 0, n, dv, dv)?;
+            prods.weighted_values(p, b, h, &s[off..], ld, n, (lo, cols), &mut accm, true)?;
+            j0 = hi;
+        }
+        // SAFETY: this task is the only one that handles rows i0..i0+n of head h in b.
+        let mut o = unsafe { out.mat_mut(b, h, i0, n, dv)? };
+        for r in 0..n {
+            let inv = if l[r] > 0.0 { 1.0 / l[r] } else { 0.0 };
+            let src = &acc[r * dv..(r + 1) * dv];
+            if let Some(dst) = o.row_mut(r) {
+                for (d, s) in dst.iter_mut().zip(src) {
+                    *d = s * inv;
+                }
+            }
+        }
+        Ok(())
+    })
+}

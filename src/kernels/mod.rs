@@ -1,0 +1,282 @@
+//! CPU attention kernels on f32 slices: the fast paths behind
+//! [`crate::scaled_dot_product_attention`] and [`crate::MultiHeadSelfAttention`] on the CPU.
+//!
+//! - [`flash`]: tiled online-softmax attention, memory linear in the sequence length (no
+//!   weights);
+//! - [`rows`]: row-block attention that writes the weights straight into the returned tensor,
+//!   or streams them block by block;
+//! - [`packed`]: `x W + b` with the weights packed once at load time (AVX-512 micro-kernel);
+//! - [`projection`]: `x W^T + b` into a caller's buffer (bias fused into the product), the
+//!   `gemm` crate path for CPUs without AVX-512;
+//! - [`self_attention`]: the whole multi-head forward on one fused Q/K/V buffer, with no
+//!   copy between the head split, the attention and the head merge;
+//! - [`sdpa`]: the kernels behind the tensor-level SDPA function.
+//!
+//! Matrix products go through the `gemm` crate (the AVX-512 / AVX2 kernels candle's CPU
+//! matmul uses); the softmax's `exp` is vectorised in [`simd`].
+
+pub(crate) mod cpu_tensor;
+mod flash;
+mod mask_plan;
+mod matrix;
+mod microkernel;
+pub(crate) mod packed;
+mod problem;
+pub(crate) mod projection;
+mod rows;
+mod scratch;
+pub(crate) mod sdpa;
+pub(crate) mod self_attention;
+mod simd;
+mod tile_products;
+
+pub use rows::WeightsBlock;
+
+use crate::error::Result;
+use crate::memory;
+use problem::{OutOperand, Problem};
+
+/// What to do with the attention weights.
+pub(crate) enum WeightsMode<'f> {
+    /// Context only: the tiled kernel, nothing of size `(seq_q, seq_k)` is allocated.
+    Skip,
+    /// Return the weights as a `(batch, heads, seq_q, seq_k)` buffer.
+    Return,
+    /// Hand the weights block by block to the callback.
+    Stream(&'f mut dyn FnMut(WeightsBlock<'_>) -> Result<()>),
+}
+
+/// Runs `p` writing the context into `out`; returns the weights in [`WeightsMode::Return`].
+/// The products use the AVX-512 micro-kernels on packed K and V where the CPU has them.
+pub(crate) fn run(
+    p: &Problem<'_>,
+    out: &OutOperand<'_>,
+    mode: WeightsMode<'_>,
+) -> Result<Option<Vec<f32>>> {
+    let packed = microkernel::available();
+    match mode {
+        WeightsMode::Skip => {
+            flash::attention_tiled(p, out, packed)?;
+            Ok(None)
+        }
+        WeightsMode::Return => {
+            let bytes = memory::attention_weights_bytes(p.batch, p.heads, p.seq_q, p.seq_k);
+            memory::ensure_allocatable("the attention weights", bytes)?;
+            let mut w = vec![0f32; p.batch * p.heads * p.seq_q * p.seq_k];
+            rows::attention_with_weights(p, out, &mut w, packed)?;
+            Ok(Some(w))
+        }
+        WeightsMode::Stream(f) => {
+            rows::attention_streamed(p, out, packed, f)?;
+            Ok(None)
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    //! Both product implementations (packed micro-kernels and the `gemm` crate), through
+    //! the tiled, weights and streaming kernels, against attention computed in f64.
+    use super::matrix::SharedOut;
+    use super::problem::{KernelMask, Operand};
+    use super::*;
+
+    fn values(n: usize, seed: u64) -> Vec<f32> {
+        let mut s = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
+        (0..n)
+            .map(|_| {
+                s ^= s << 13;
+                s ^= s >> 7;
+                s ^= s << 17;
+                (s >> 40) as f32 / (1u64 << 23) as f32 - 1.0
+            })
+            .collect()
+    }
+
+    struct Case {
+        b: usize,
+        h: usize,
+        kvh: usize,
+        sq: usize,
+        sk: usize,
+        dk: usize,
+        dv: usize,
+        causal: Option<usize>,
+        /// Kept keys per batch row (a contiguous range).
+        ranges: Option<Vec<(usize, usize)>>,
+    }
+
+    /// (context, weights) in f64 from the definition.
+    fn reference(c: &Case, q: &[f32], k: &[f32], v: &[f32], scale: f64) -> (Vec<f64>, Vec<f64>) {
+        let mut ctx = vec![0f64; c.b * c.h * c.sq * c.dv];
+        let mut w = vec![0f64; c.b * c.h * c.sq * c.sk];
+        for b in 0..c.b {
+            for h in 0..c.h {
+                let kvh = h / (c.h / c.kvh);
+                for i in 0..c.sq {
+                    let visible = |j: usize| {
+                        c.causal.is_none_or(|off| j <= off + i)
+                            && c.ranges.as_ref().is_none_or(|r| j >= r[b].0 && j < r[b].1)
+                    };
+                    let s: Vec<f64> = (0..c.sk)
+                        .map(|j| {
+                            let qi = ((b * c.h + h) * c.sq + i) * c.dk;
+                            let kj = ((b * c.kvh + kvh) * c.sk + j) * c.dk;
+                            (0..c.dk)
+                                .map(|t| q[qi + t] as f64 * k[kj + t] as f64)
+                                .sum::<f64>()
+                                * scale
+                        })
+                        .collect();
+                    let m = (0..c.sk)
+                        .filter(|&j| visible(j))
+                        .map(|j| s[j])
+                        .fold(f64::NEG_INFINITY, f64::max);
+                    if m == f64::NEG_INFINITY {
+                        continue;
+                    }
+                    let e: Vec<f64> = (0..c.sk)
+                        .map(|j| if visible(j) { (s[j] - m).exp() } else { 0.0 })
+                        .collect();
+                    let sum: f64 = e.iter().sum();
+                    let row = ((b * c.h + h) * c.sq + i) * c.sk;
+                    for j in 0..c.sk {
+                        w[row + j] = e[j] / sum;
+                    }
+                    for d in 0..c.dv {
+                        ctx[((b * c.h + h) * c.sq + i) * c.dv + d] = (0..c.sk)
+                            .map(|j| {
+                                w[row + j] * v[((b * c.kvh + kvh) * c.sk + j) * c.dv + d] as f64
+                            })
+                            .sum();
+                    }
+                }
+            }
+        }
+        (ctx, w)
+    }
+
+    fn close(what: &str, got: &[f32], want: &[f64], tol: f64) {
+        assert_eq!(got.len(), want.len(), "{what}");
+        for (i, (&g, &w)) in got.iter().zip(want).enumerate() {
+            assert!((g as f64 - w).abs() <= tol, "{what}[{i}]: {g} vs {w}");
+        }
+    }
+
+    #[test]
+    fn both_products_in_every_kernel_equal_the_definition() -> Result<()> {
+        let cases = [
+            Case {
+                b: 2,
+                h: 4,
+                kvh: 2,
+                sq: 9,
+                sk: 13,
+                dk: 8,
+                dv: 20,
+                causal: None,
+                ranges: None,
+            },
+            Case {
+                b: 1,
+                h: 2,
+                kvh: 1,
+                sq: 70,
+                sk: 600,
+                dk: 24,
+                dv: 64,
+                causal: Some(530),
+                ranges: None,
+            },
+            Case {
+                b: 2,
+                h: 2,
+                kvh: 2,
+                sq: 530,
+                sk: 530,
+                dk: 16,
+                dv: 72,
+                causal: Some(0),
+                ranges: Some(vec![(3, 500), (0, 0)]),
+            },
+            Case {
+                b: 1,
+                h: 1,
+                kvh: 1,
+                sq: 33,
+                sk: 700,
+                dk: 5,
+                dv: 3,
+                causal: None,
+                ranges: Some(vec![(50, 651)]),
+            },
+        ];
+        for (n, c) in cases.iter().enumerate() {
+            let q = values(c.b * c.h * c.sq * c.dk, 1 + n as u64);
+            let k = values(c.b * c.kvh * c.sk * c.dk, 2 + n as u64);
+            let v = values(c.b * c.kvh * c.sk * c.dv, 3 + n as u64);
+            let scale = 1.0 / (c.dk as f64).sqrt();
+            let (want_ctx, want_w) = reference(c, &q, &k, &v, scale);
+            let op = |data, s, h, d| Operand {
+                data,
+                offset: 0,
+                sb: h * s * d,
+                sh: s * d,
+                sr: d,
+            };
+            let p = Problem {
+                batch: c.b,
+                heads: c.h,
+                kv_heads: c.kvh,
+                seq_q: c.sq,
+                seq_k: c.sk,
+                dk: c.dk,
+                dv: c.dv,
+                q: op(&q, c.sq, c.h, c.dk),
+                k: op(&k, c.sk, c.kvh, c.dk),
+                v: op(&v, c.sk, c.kvh, c.dv),
+                scale: scale as f32,
+                mask: KernelMask {
+                    causal_offset: c.causal,
+                    key_range: c.ranges.as_deref(),
+                    ..KernelMask::default()
+                },
+            };
+            for packed in [false, microkernel::available()] {
+                let what = format!("case {n}, packed {packed}");
+                let mut ctx = vec![f32::NAN; c.b * c.h * c.sq * c.dv];
+                fn out_of<'a>(ctx: &'a mut [f32], c: &Case) -> OutOperand<'a> {
+                    OutOperand {
+                        buf: SharedOut::new(ctx),
+                        offset: 0,
+                        sb: c.h * c.sq * c.dv,
+                        sh: c.sq * c.dv,
+                        sr: c.dv,
+                    }
+                }
+                flash::attention_tiled(&p, &out_of(&mut ctx, c), packed)?;
+                close(&format!("{what}: tiled context"), &ctx, &want_ctx, 2e-5);
+                let mut w = vec![f32::NAN; want_w.len()];
+                ctx.fill(f32::NAN);
+                rows::attention_with_weights(&p, &out_of(&mut ctx, c), &mut w, packed)?;
+                close(&format!("{what}: weights"), &w, &want_w, 1e-6);
+                close(
+                    &format!("{what}: context with weights"),
+                    &ctx,
+                    &want_ctx,
+                    2e-5,
+                );
+                let mut streamed = vec![f32::NAN; want_w.len()];
+                ctx.fill(f32::NAN);
+                rows::attention_streamed(&p, &out_of(&mut ctx, c), packed, &mut |blk| {
+                    let at = ((blk.batch * c.h + blk.head) * c.sq + blk.query_start) * c.sk;
+                    streamed[at..at + blk.weights.len()].copy_from_slice(blk.weights);
+                    Ok(())
+                })?;
+                assert_eq!(streamed, w, "{what}: streamed weights");
+                close(&format!("{what}: streamed context"), &ctx, &want_ctx, 2e-5);
+            }
+        }
+        Ok(())
+    }
+}

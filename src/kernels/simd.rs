@@ -1,0 +1,343 @@
+//! Vectorised row operations of the softmax: row maximum and `exp(x - max)` with its sum.
+//!
+//! The exponential is the Cephes single-precision polynomial (relative error ~2 ulp), with
+//! inputs below -87 flushed to exactly 0 (so masked `-inf` scores give weight 0 and no
+//! denormal ever reaches a matrix multiply). AVX-512 and AVX2+FMA versions are picked at run
+//! time; other CPUs run the same polynomial in scalar code.
+// The AVX-512 intrinsics are stable since Rust 1.89, above the `rust-version` the manifest
+// declares; candle-core 0.11 itself needs 1.89 on x86-64 (it uses them too), so the
+// declared version cannot build this crate anyway.
+#![allow(clippy::incompatible_msrv)]
+
+#[cfg(target_arch = "x86_64")]
+use std::arch::x86_64::*;
+use std::sync::OnceLock;
+
+/// Below this, `exp` returns exactly 0 (`exp(-87) ~ 1.6e-38`, the smallest normal f32 is
+/// `1.2e-38`).
+const EXP_FLUSH: f32 = -87.0;
+const EXP_MAX: f32 = 88.0;
+const LOG2E: f32 = std::f32::consts::LOG2_E;
+/// `ln 2` split in two so that `x - n ln 2` stays exact for |n| <= 128.
+const LN2_HI: f32 = 0.693_359_4;
+const LN2_LO: f32 = -2.121_944_4e-4;
+const P0: f32 = 1.987_569_1e-4;
+const P1: f32 = 1.398_2e-3;
+const P2: f32 = 8.333_452e-3;
+const P3: f32 = 4.166_579_6e-2;
+const P4: f32 = 1.666_666_5e-1;
+const P5: f32 = 0.5;
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Isa {
+    #[cfg(target_arch = "x86_64")]
+    Avx512,
+    #[cfg(target_arch = "x86_64")]
+    Avx2,
+    Scalar,
+}
+
+fn isa() -> Isa {
+    static ISA: OnceLock<Isa> = OnceLock::new();
+    *ISA.get_or_init(|| {
+        #[cfg(target_arch = "x86_64")]
+        {
+            if is_x86_feature_detected!("avx512f") {
+                return Isa::Avx512;
+            }
+            if is_x86_feature_detected!("avx2") && is_x86_feature_detected!("fma") {
+                return Isa::Avx2;
+            }
+        }
+        Isa::Scalar
+    })
+}
+
+/// The scalar exponential (same polynomial as the vector versions).
+#[inline]
+pub(crate) fn exp(x: f32) -> f32 {
+    if x < EXP_FLUSH {
+        return 0.0;
+    }
+    if x.is_nan() {
+        return x;
+    }
+    let x = x.min(EXP_MAX);
+    // Round to nearest by adding and removing 1.5 * 2^23 (no libm call).
+    const ROUND: f32 = 12_582_912.0;
+    let n = (x * LOG2E + ROUND) - ROUND;
+    let r = x - n * LN2_HI - n * LN2_LO;
+    let mut y = P0;
+    y = y * r + P1;
+    y = y * r + P2;
+    y = y * r + P3;
+    y = y * r + P4;
+    y = y * r + P5;
+    let y = y * (r * r) + r + 1.0;
+    // n is in [-126, 127] here, so 2^n is a normal f32.
+    y * f32::from_bits(((n as i32 + 127) as u32) << 23)
+}
+
+/// Largest element (`-inf` for an empty row).
+pub(crate) fn row_max(x: &[f32]) -> f32 {
+    match isa() {
+        // SAFETY: the CPU has the features these functions are compiled for (checked above).
+        #[cfg(target_arch = "x86_64")]
+        Isa::Avx512 => unsafe { row_max_avx512(x) },
+        #[cfg(target_arch = "x86_64")]
+        Isa::Avx2 => unsafe { row_max_avx2(x) },
+        Isa::Scalar => x.iter().fold(f32::NEG_INFINITY, |a, &b| a.max(b)),
+    }
+}
+
+/// `x[j] = exp(x[j] - m)` for every `j`; returns the sum of the new values. `m` must be
+/// finite.
+pub(crate) fn exp_shifted_sum(x: &mut [f32], m: f32) -> f32 {
+    match isa() {
+        // SAFETY: the CPU has the features these functions are compiled for (checked above).
+        #[cfg(target_arch = "x86_64")]
+        Isa::Avx512 => unsafe { exp_shifted_sum_avx512(x, m) },
+        #[cfg(target_arch = "x86_64")]
+        Isa::Avx2 => unsafe { exp_shifted_sum_avx2(x, m) },
+        Isa::Scalar => {
+            let mut sum = 0.0;
+            for v in x.iter_mut() {
+                *v = exp(*v - m);
+                sum += *v;
+            }
+            sum
+        }
+    }
+}
+
+/// `x *= a`.
+#[inline]
+pub(crate) fn scale(x: &mut [f32], a: f32) {
+    for v in x.iter_mut() {
+        *v *= a;
+    }
+}
+
+/// `x += y` (element-wise, `x.len() == y.len()`).
+#[inline]
+pub(crate) fn add_assign(x: &mut [f32], y: &[f32]) {
+    for (a, b) in x.iter_mut().zip(y) {
+        *a += *b;
+    }
+}
+
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f")]
+unsafe fn exp_avx512(x: __m512) -> __m512 {
+    let flush = _mm512_cmp_ps_mask::<_CMP_LT_OQ>(x, _mm512_set1_ps(EXP_FLUSH));
+    // `max(lo, x)` / `min(hi, x)` return `x` when it is NaN, so NaN propagates.
+    let x = _mm512_max_ps(_mm512_set1_ps(EXP_FLUSH), x);
+    let x = _mm512_min_ps(_mm512_set1_ps(EXP_MAX), x);
+    let n = _mm512_roundscale_ps::<{ _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC }>(
+        _mm512_mul_ps(x, _mm512_set1_ps(LOG2E)),
+    );
+    let r = _mm512_fnmadd_ps(n, _mm512_set1_ps(LN2_HI), x);
+    let r = _mm512_fnmadd_ps(n, _mm512_set1_ps(LN2_LO), r);
+    let mut y = _mm512_set1_ps(P0);
+    y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(P1));
+    y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(P2));
+    y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(P3));
+    y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(P4));
+    y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(P5));
+    let r2 = _mm512_mul_ps(r, r);
+    y = _mm512_fmadd_ps(y, r2, _mm512_add_ps(r, _mm512_set1_ps(1.0)));
+    _mm512_maskz_mov_ps(!flush, _mm512_scalef_ps(y, n))
+}
+
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f")]
+unsafe fn exp_shifted_sum_avx512(x: &mut [f32], m: f32) -> f32 {
+    let n = x.len();
+    let p = x.as_mut_ptr();
+    let vm = _mm512_set1_ps(m);
+    let mut acc0 = _mm512_setzero_ps();
+    let mut acc1 = _mm512_setzero_ps();
+    let mut i = 0;
+    while i + 32 <= n {
+        let e0 = exp_avx512(_mm512_sub_ps(_mm512_loadu_ps(p.add(i)), vm));
+        let e1 = exp_avx512(_mm512_sub_ps(_mm512_loadu_ps(p.add(i + 16)), vm));
+        _mm512_storeu_ps(p.add(i), e0);
+        _mm512_storeu_ps(p.add(i + 16), e1);
+        acc0 = _mm512_add_ps(acc0, e0);
+        acc1 = _mm512_add_ps(acc1, e1);
+        i += 32;
+    }
+    while i < n {
+        let left = n - i;
+        let mask: __mmask16 = if left >= 16 {
+            0xffff
+        } else {
+            (1u16 << left) - 1
+        };
+        let e = exp_avx512(_mm512_sub_ps(_mm512_maskz_loadu_ps(mask, p.add(i)), vm));
+        _mm512_mask_storeu_ps(p.add(i), mask, e);
+        acc0 = _mm512_mask_add_ps(acc0, mask, acc0, e);
+        i += 16;
+    }
+    _mm512_reduce_add_ps(_mm512_add_ps(acc0, acc1))
+}
+
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f")]
+unsafe fn row_max_avx512(x: &[f32]) -> f32 {
+    let n = x.len();
+    let p = x.as_ptr();
+    let mut acc0 = _mm512_set1_ps(f32::NEG_INFINITY);
+    let mut acc1 = acc0;
+    let mut i = 0;
+    while i + 32 <= n {
+        acc0 = _mm512_max_ps(acc0, _mm512_loadu_ps(p.add(i)));
+        acc1 = _mm512_max_ps(acc1, _mm512_loadu_ps(p.add(i + 16)));
+        i += 32;
+    }
+    while i < n {
+        let left = n - i;
+        let mask: __mmask16 = if left >= 16 {
+            0xffff
+        } else {
+            (1u16 << left) - 1
+        };
+        acc0 = _mm512_mask_max_ps(acc0, mask, acc0, _mm512_maskz_loadu_ps(mask, p.add(i)));
+        i += 16;
+    }
+    _mm512_reduce_max_ps(_mm512_max_ps(acc0, acc1))
+}
+
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,fma")]
+unsafe fn exp_avx2(x: __m256) -> __m256 {
+    let keep = _mm256_cmp_ps::<_CMP_GE_OQ>(x, _mm256_set1_ps(EXP_FLUSH));
+    let nan = _mm256_cmp_ps::<_CMP_UNORD_Q>(x, x);
+    let x = _mm256_max_ps(_mm256_set1_ps(EXP_FLUSH), x);
+    let x = _mm256_min_ps(_mm256_set1_ps(EXP_MAX), x);
+    let n = _mm256_round_ps::<{ _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC }>(_mm256_mul_ps(
+        x,
+        _mm256_set1_ps(LOG2E),
+    ));
+    let r = _mm256_fnmadd_ps(n, _mm256_set1_ps(LN2_HI), x);
+    let r = _mm256_fnmadd_ps(n, _mm256_set1_ps(LN2_LO), r);
+    let mut y = _mm256_set1_ps(P0);
+    y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(P1));
+    y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(P2));
+    y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(P3));
+    y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(P4));
+    y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(P5));
+    let r2 = _mm256_mul_ps(r, r);
+    y = _mm256_fmadd_ps(y, r2, _mm256_add_ps(r, _mm256_set1_ps(1.0)));
+    let pow2n = _mm256_castsi256_ps(_mm256_slli_epi32::<23>(_mm256_add_epi32(
+        _mm256_cvtps_epi32(n),
+        _mm256_set1_epi32(127),
+    )));
+    let e = _mm256_mul_ps(y, pow2n);
+    // NaN lanes keep the NaN, flushed lanes are 0.
+    _mm256_or_ps(_mm256_and_ps(e, keep), _mm256_and_ps(x, nan))
+}
+
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,fma")]
+unsafe fn exp_shifted_sum_avx2(x: &mut [f32], m: f32) -> f32 {
+    let n = x.len();
+    let p = x.as_mut_ptr();
+    let vm = _mm256_set1_ps(m);
+    let mut acc = _mm256_setzero_ps();
+    let mut i = 0;
+    while i + 8 <= n {
+        let e = exp_avx2(_mm256_sub_ps(_mm256_loadu_ps(p.add(i)), vm));
+        _mm256_storeu_ps(p.add(i), e);
+        acc = _mm256_add_ps(acc, e);
+        i += 8;
+    }
+    let mut lanes = [0f32; 8];
+    _mm256_storeu_ps(lanes.as_mut_ptr(), acc);
+    let mut sum = lanes.iter().sum::<f32>();
+    while i < n {
+        let e = exp(*p.add(i) - m);
+        *p.add(i) = e;
+        sum += e;
+        i += 1;
+    }
+    sum
+}
+
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,fma")]
+unsafe fn row_max_avx2(x: &[f32]) -> f32 {
+    let n = x.len();
+    let p = x.as_ptr();
+    let mut acc = _mm256_set1_ps(f32::NEG_INFINITY);
+    let mut i = 0;
+    while i + 8 <= n {
+        acc = _mm256_max_ps(acc, _mm256_loadu_ps(p.add(i)));
+        i += 8;
+    }
+    let mut lanes = [0f32; 8];
+    _mm256_storeu_ps(lanes.as_mut_ptr(), acc);
+    let mut m = lanes.iter().fold(f32::NEG_INFINITY, |a, &b| a.max(b));
+    while i < n {
+        m = m.max(*p.add(i));
+        i += 1;
+    }
+    m
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn exp_matches_std_within_a_few_ulp() {
+        let mut x: Vec<f32> = (-8700..=0).map(|i| i as f32 * 0.01).collect();
+        x.extend([-86.99f32, -50.5, -1e-7, 0.0, 3.5, 80.0]);
+        for &v in &x {
+            let e = exp(v);
+            let r = v.exp();
+            assert!(
+                (e - r).abs() <= 4.0 * f32::EPSILON * r,
+                "exp({v}) = {e}, std {r}"
+            );
+        }
+        assert_eq!(exp(0.0), 1.0);
+        assert_eq!(exp(f32::NEG_INFINITY), 0.0);
+        assert_eq!(exp(-1e4), 0.0);
+        assert!(exp(f32::NAN).is_nan());
+    }
+
+    #[test]
+    fn vector_rows_match_scalar() {
+        for n in [0usize, 1, 5, 15, 16, 17, 31, 32, 33, 100, 257] {
+            let base: Vec<f32> = (0..n)
+                .map(|i| ((i * 37 % 101) as f32 - 50.0) * 0.37)
+                .collect();
+            let m = row_max(&base);
+            let expected = base.iter().fold(f32::NEG_INFINITY, |a, &b| a.max(b));
+            assert_eq!(m, expected, "max of {n}");
+            if n == 0 {
+                continue;
+            }
+            let mut v = base.clone();
+            v[0] = f32::NEG_INFINITY;
+            let mut s = v.clone();
+            let sum = exp_shifted_sum(&mut s, m);
+            let mut ref_sum = 0f32;
+            for (j, &x) in v.iter().enumerate() {
+                let r = exp(x - m);
+                ref_sum += r;
+                assert!(
+                    (s[j] - r).abs() <= 1e-6 * r.max(1e-30),
+                    "{n}: {} vs {r}",
+                    s[j]
+                );
+            }
+            assert_eq!(s[0], 0.0);
+            assert!(
+                (sum - ref_sum).abs() <= 1e-5 * ref_sum,
+                "{sum} vs {ref_sum}"
+            );
+        }
+    }
+}
