@@ -46,6 +46,7 @@ def parse_args():
     p.add_argument("--core", action="store_true")
     p.add_argument("--impl", dest="impl", default="mha", choices=["mha", "matmul"])
     p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--device", default="cpu", help="cpu or cuda[:N] (timed to completion)")
     p.add_argument("--json", action="store_true")
     return p.parse_args()
 
@@ -75,27 +76,28 @@ def main():
 
     torch.set_num_threads(a.threads)
     torch.manual_seed(0)
+    dev = torch.device(a.device)
     dtype = {"f32": torch.float32, "f16": torch.float16, "bf16": torch.bfloat16}[a.dtype]
     kvh = a.kv_heads or a.heads
     b, t, d, h = a.batch, a.seq, a.hidden, a.heads
     hd = d // h
 
     if a.impl == "matmul":
-        x = torch.randn(t, t)
-        y = torch.randn(t, t)
+        x = torch.randn(t, t, device=dev)
+        y = torch.randn(t, t, device=dev)
 
         def run():
             torch.mm(x, y)
 
     elif a.core:
-        q = torch.randn(b, h, t, hd, dtype=dtype)
-        k = torch.randn(b, kvh, t, hd, dtype=dtype)
-        v = torch.randn(b, kvh, t, hd, dtype=dtype)
+        q = torch.randn(b, h, t, hd, dtype=dtype, device=dev)
+        k = torch.randn(b, kvh, t, hd, dtype=dtype, device=dev)
+        v = torch.randn(b, kvh, t, hd, dtype=dtype, device=dev)
         gqa = kvh != h
         scale = 1.0 / math.sqrt(hd)
         mask = None
         if a.causal and a.weights:
-            mask = torch.full((t, t), float("-inf"), dtype=dtype).triu(1)
+            mask = torch.full((t, t), float("-inf"), dtype=dtype, device=dev).triu(1)
 
         def run():
             if a.weights:
@@ -110,9 +112,9 @@ def main():
     else:
         if kvh != h:
             sys.exit("nn.MultiheadAttention has no grouped key/value heads; use --core for GQA")
-        mha = torch.nn.MultiheadAttention(d, h, batch_first=True, dtype=dtype).eval()
-        x = torch.randn(b, t, d, dtype=dtype)
-        mask = torch.nn.Transformer.generate_square_subsequent_mask(t, dtype=dtype) if a.causal else None
+        mha = torch.nn.MultiheadAttention(d, h, batch_first=True, dtype=dtype, device=dev).eval()
+        x = torch.randn(b, t, d, dtype=dtype, device=dev)
+        mask = torch.nn.Transformer.generate_square_subsequent_mask(t, device=dev, dtype=dtype) if a.causal else None
 
         def run():
             return mha(
@@ -122,6 +124,16 @@ def main():
                 attn_mask=mask,
                 is_causal=a.causal,
             )
+
+    def sync():
+        if dev.type == "cuda":
+            torch.cuda.synchronize(dev)
+
+    inner = run
+
+    def run():
+        inner()
+        sync()
 
     with torch.inference_mode():
         t0 = time.perf_counter()
@@ -149,7 +161,7 @@ def main():
         "median_ms": round(median_ms, 3), "gflops": round(gflops, 3), "peak_rss_mb": round(rss, 3),
         "kv_heads": kvh, "causal": a.causal, "weights": a.weights, "core": a.core,
         "dtype": a.dtype, "impl": "pytorch " + what, "threads": a.threads, "iters": iters,
-        "torch": torch.__version__,
+        "torch": torch.__version__, "device": a.device,
     }
     if a.json:
         print(json.dumps(out))

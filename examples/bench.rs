@@ -4,7 +4,7 @@
 //!
 //! ```text
 //! cargo run --release --example bench -- --batch 1 --seq 128 --hidden 768 --heads 12 \
-//!   [--kv-heads N] [--causal] [--weights] [--dtype f32] [--iters N] [--core] \
+//!   [--kv-heads N] [--causal] [--weights] [--dtype f32] [--iters N] [--core] [--device D] \
 //!   [--impl ours|naive|candle-flash|candle-matmul] [--json]
 //! ```
 //!
@@ -19,13 +19,14 @@
 //! and V (what `F.scaled_dot_product_attention` does), without the projections.
 //! Threads: the rayon pool (`RAYON_NUM_THREADS`, default one per core).
 
+use std::sync::OnceLock;
 use std::time::Instant;
 
 use anyhow::{bail, Context};
 use candle_attention::{
     attention_weights_bytes, available_memory_bytes, parse_dtype, scaled_dot_product_attention,
-    self_attention_cost, AttentionConfig, AttentionMask, LinearWeights, MultiHeadSelfAttention,
-    Projections, SdpaOptions, WeightLayout,
+    select_device, self_attention_cost, AttentionConfig, AttentionMask, LinearWeights,
+    MultiHeadSelfAttention, Projections, SdpaOptions, WeightLayout,
 };
 use candle_core::{DType, Device, Tensor, D};
 use candle_nn::attention::{flash_attn, AttnMask};
@@ -86,6 +87,9 @@ struct Args {
     /// f32, f16 or bf16 (weights and activations; compute is f32 on the CPU).
     #[arg(long, default_value = "f32")]
     dtype: String,
+    /// auto, cpu, cuda[:N] or metal[:N]; peak RSS is the host process's on every device.
+    #[arg(long, default_value = "cpu")]
+    device: String,
     /// Timed iterations after one warm-up (default: about 2 s worth, 3 to 100).
     #[arg(long)]
     iters: Option<usize>,
@@ -120,6 +124,13 @@ struct Measured {
 fn main() -> anyhow::Result<()> {
     let args = Args::parse();
     let dtype = parse_dtype(&args.dtype)?;
+    let (device, device_name) = select_device(&args.device)?;
+    if !args.json {
+        eprintln!("device: {device_name}");
+    }
+    DEVICE
+        .set(device)
+        .map_err(|_| anyhow::anyhow!("device chosen twice"))?;
     if args.heads == 0 || args.hidden % args.heads != 0 {
         bail!(
             "--heads {} must divide --hidden {}",
@@ -152,6 +163,7 @@ fn main() -> anyhow::Result<()> {
             "dtype": args.dtype,
             "impl": args.implementation.name(),
             "threads": threads,
+            "device": args.device,
             "iters": m.iters,
         });
         println!("{obj}");
@@ -216,6 +228,13 @@ fn main() -> anyhow::Result<()> {
     Ok(())
 }
 
+/// The device every tensor of the run lives on (`--device`).
+static DEVICE: OnceLock<Device> = OnceLock::new();
+
+fn dev() -> Device {
+    DEVICE.get().cloned().unwrap_or(Device::Cpu)
+}
+
 fn round3(x: f64) -> f64 {
     (x * 1e3).round() / 1e3
 }
@@ -241,7 +260,7 @@ fn flops(args: &Args, kvh: usize, imp: Impl) -> f64 {
 }
 
 fn randn(shape: &[usize], std: f64, dtype: DType) -> anyhow::Result<Tensor> {
-    Ok(Tensor::randn(0f32, std as f32, shape, &Device::Cpu)?.to_dtype(dtype)?)
+    Ok(Tensor::randn(0f32, std as f32, shape, &dev())?.to_dtype(dtype)?)
 }
 
 fn setup(args: &Args, dtype: DType, kvh: usize, imp: Impl) -> anyhow::Result<Setup> {
@@ -283,7 +302,7 @@ fn setup(args: &Args, dtype: DType, kvh: usize, imp: Impl) -> anyhow::Result<Set
         None
     };
     let x = if args.core {
-        Tensor::zeros(1, dtype, &Device::Cpu)?
+        Tensor::zeros(1, dtype, &dev())?
     } else {
         randn(&[b, t, d], 1.0, dtype)? // (b, t, d)
     };
@@ -310,15 +329,16 @@ fn measure(args: &Args, s: &Setup, imp: Impl, kvh: usize) -> anyhow::Result<Opti
             Box::new(move || naive(args, s, kvh))
         }
         Impl::CandleFlash => {
-            if args.weights || args.batch > 1 && args.causal && args.core {
+            // candle_nn::attention::flash_attn is a CPU kernel.
+            if args.weights || args.batch > 1 && args.causal && args.core || !dev().is_cpu() {
                 return Ok(None);
             }
             Box::new(move || candle_flash(args, s, kvh))
         }
         Impl::CandleMatmul => {
             let n = args.seq;
-            let a = Tensor::randn(0f32, 1.0, (n, n), &Device::Cpu)?;
-            let bm = Tensor::randn(0f32, 1.0, (n, n), &Device::Cpu)?;
+            let a = Tensor::randn(0f32, 1.0, (n, n), &dev())?;
+            let bm = Tensor::randn(0f32, 1.0, (n, n), &dev())?;
             Box::new(move || {
                 a.matmul(&bm)?;
                 Ok(())
@@ -326,6 +346,11 @@ fn measure(args: &Args, s: &Setup, imp: Impl, kvh: usize) -> anyhow::Result<Opti
         }
     };
     let t0 = Instant::now();
+    let run = || -> anyhow::Result<()> {
+        run()?;
+        dev().synchronize()?; // GPU kernels are asynchronous: time them to completion
+        Ok(())
+    };
     run()?; // warm-up
     let first = t0.elapsed().as_secs_f64();
     let iters = match args.iters {
@@ -414,7 +439,7 @@ fn causal_bias(t: usize, dtype: DType) -> anyhow::Result<Tensor> {
             }
         })
         .collect();
-    Ok(Tensor::from_vec(data, (1, 1, t, t), &Device::Cpu)?.to_dtype(dtype)?)
+    Ok(Tensor::from_vec(data, (1, 1, t, t), &dev())?.to_dtype(dtype)?)
 }
 
 fn naive(args: &Args, s: &Setup, kvh: usize) -> anyhow::Result<()> {

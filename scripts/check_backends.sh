@@ -1,12 +1,16 @@
 #!/usr/bin/env bash
 # Compile checks for the GPU backends on a machine without a GPU.
 #
-#   scripts/check_backends.sh [cuda] [metal]      (default: both)
+#   scripts/check_backends.sh [cuda] [flash-attn] [metal]      (default: all three)
 #
 # CUDA: `cargo check --features cuda --all-targets` with nvcc from PyPI's CUDA 13.0 wheels
 #       (pinned: unpinned wheels drift to versions cudarc does not know). candle-kernels'
 #       build script runs nvcc, so the first check takes ~9 minutes on 2 cores; the
 #       target directory is kept between runs.
+# flash-attn: `cargo check --features flash-attn --all-targets` against candle-flash-attn's
+#       real Rust API, with its build script stubbed out: that script compiles the kernels
+#       with nvcc and clones CUTLASS from GitHub, which this machine cannot reach. So this
+#       checks our code against the crate's API, not the CUDA kernels themselves.
 # Metal: `cargo check --features metal --target aarch64-apple-darwin --all-targets`
 #       (needs `rustup target add aarch64-apple-darwin`; if the target cannot be
 #       installed, this script says so loudly and exits non-zero unless
@@ -17,10 +21,10 @@ cd "$(dirname "$0")/.."
 
 cache="${CANDLE_ATTENTION_CACHE:-$HOME/.cache/candle-attention}"
 what=("$@")
-[ ${#what[@]} -eq 0 ] && what=(cuda metal)
+[ ${#what[@]} -eq 0 ] && what=(cuda flash-attn metal)
 status=0
 
-check_cuda() {
+cuda_env() {
   local dir="$cache/cuda13"
   if [ ! -x "$dir/nvidia/cu13/bin/nvcc" ]; then
     echo "== installing nvcc (CUDA 13.0 wheels from PyPI) into $dir"
@@ -35,8 +39,41 @@ check_cuda() {
   export CUDA_COMPUTE_CAP="${CUDA_COMPUTE_CAP:-90}"
   export NVCC_APPEND_FLAGS="${NVCC_APPEND_FLAGS:-} -I$cu/include"
   nvcc --version | tail -2
+}
+
+check_cuda() {
+  cuda_env
   echo "== cargo check --features cuda --all-targets (CUDA_COMPUTE_CAP=$CUDA_COMPUTE_CAP)"
   CARGO_TARGET_DIR="$cache/target-cuda" cargo check --release --features cuda --all-targets
+}
+
+check_flash_attn() {
+  cuda_env
+  local version=0.11.1
+  local src
+  src=$(ls -d "${CARGO_HOME:-$HOME/.cargo}"/registry/src/*/candle-flash-attn-$version 2>/dev/null | head -n 1 || true)
+  if [ -z "$src" ]; then
+    cargo fetch --quiet
+    src=$(ls -d "${CARGO_HOME:-$HOME/.cargo}"/registry/src/*/candle-flash-attn-$version | head -n 1)
+  fi
+  local stub="$cache/candle-flash-attn-$version-nobuild"
+  rm -rf "$stub" && cp -r "$src" "$stub"
+  # No build script (it would run nvcc and clone CUTLASS), no build dependencies.
+  echo 'fn main() {}' >"$stub/build.rs"
+  python3 - "$stub/Cargo.toml" <<'PY'
+import re, sys
+p = sys.argv[1]
+s = open(p).read()
+s = re.sub(r"\n\[build-dependencies[^\]]*\][^\[]*", "\n", s)
+open(p, "w").write(s)
+PY
+  echo "== cargo check --features flash-attn --all-targets (candle-flash-attn's build script stubbed)"
+  cp Cargo.lock "$cache/Cargo.lock.before-flash-check"
+  local rc=0
+  CARGO_TARGET_DIR="$cache/target-cuda" cargo check --release --features flash-attn --all-targets \
+    --config "patch.crates-io.candle-flash-attn.path=\"$stub\"" || rc=$?
+  cp "$cache/Cargo.lock.before-flash-check" Cargo.lock
+  return $rc
 }
 
 check_metal() {
@@ -60,8 +97,9 @@ check_metal() {
 for w in "${what[@]}"; do
   case "$w" in
     cuda) check_cuda || status=1 ;;
+    flash-attn) check_flash_attn || status=1 ;;
     metal) check_metal || status=1 ;;
-    *) echo "unknown backend $w (cuda|metal)" >&2; exit 2 ;;
+    *) echo "unknown backend $w (cuda|flash-attn|metal)" >&2; exit 2 ;;
   esac
 done
 exit $status

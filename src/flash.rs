@@ -41,7 +41,13 @@ pub(crate) fn try_flash_attention(
         _ => return Ok(None),
     };
     let to_bshd = |x: &Tensor| x.transpose(1, 2).and_then(|x| x.contiguous()); // (b, s, h, d)
-    let out = candle_flash_attn::flash_attn(&to_bshd(q)?, &to_bshd(k)?, &to_bshd(v)?, scale as f32, causal)?; // (b, sq, h, d)
+    let out = candle_flash_attn::flash_attn(
+        &to_bshd(q)?,
+        &to_bshd(k)?,
+        &to_bshd(v)?,
+        scale as f32,
+        causal,
+    )?; // (b, sq, h, d)
     Ok(Some(out.transpose(1, 2)?)) // (b, h, sq, d)
 }
 

@@ -37,6 +37,7 @@ mod config;
 mod cost;
 mod device;
 mod error;
+mod flash;
 mod kernels;
 mod layout;
 mod mask;

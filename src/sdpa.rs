@@ -17,7 +17,9 @@ use crate::softmax::masked_softmax;
 /// Which implementation runs the attention.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub enum AttentionPath {
-    /// The CPU kernels on the CPU (any mask, f32 compute), the explicit composition elsewhere.
+    /// The CPU kernels on the CPU (any mask, f32 compute); elsewhere CUDA flash-attention
+    /// (feature `flash-attn`: f16/bf16, no weights, no mask or the plain causal one), else
+    /// the explicit composition.
     #[default]
     Auto,
     /// The explicit composition of candle ops (`Q K^T`, masked softmax, `P V`) on every
@@ -114,6 +116,15 @@ pub fn scaled_dot_product_attention_on(
         };
         let (context, weights) = kernels::sdpa::attention(q, k, v, mask, scale, mode)?;
         return Ok(AttentionOutput { context, weights });
+    }
+    if path == AttentionPath::Auto && !opts.need_weights {
+        // CUDA flash-attention (feature `flash-attn`) where it applies; `None` otherwise.
+        if let Some(context) = crate::flash::try_flash_attention(q, k, v, mask, scale)? {
+            return Ok(AttentionOutput {
+                context,
+                weights: None,
+            });
+        }
     }
     explicit(q, k, v, mask, scale, opts.need_weights)
 }
