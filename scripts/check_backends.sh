@@ -11,7 +11,9 @@
 #       real Rust API, with its build script stubbed out: that script compiles the kernels
 #       with nvcc and clones CUTLASS from GitHub, which this machine cannot reach. So this
 #       checks our code against the crate's API, not the CUDA kernels themselves.
-# Metal: `cargo check --features metal --target aarch64-apple-darwin --all-targets`
+# Metal: `cargo check --no-default-features --features metal --target aarch64-apple-darwin
+#       --all-targets` (without `hub`, whose TLS crate compiles C for which Linux has no
+#       Apple toolchain)
 #       (needs `rustup target add aarch64-apple-darwin`; if the target cannot be
 #       installed, this script says so loudly and exits non-zero unless
 #       ALLOW_MISSING_METAL_TARGET=1). Never --all-features on Linux (objc2 refuses
@@ -50,14 +52,16 @@ check_cuda() {
 check_flash_attn() {
   cuda_env
   local version=0.11.1
-  local src
-  src=$(ls -d "${CARGO_HOME:-$HOME/.cargo}"/registry/src/*/candle-flash-attn-$version 2>/dev/null | head -n 1 || true)
-  if [ -z "$src" ]; then
-    cargo fetch --quiet
-    src=$(ls -d "${CARGO_HOME:-$HOME/.cargo}"/registry/src/*/candle-flash-attn-$version | head -n 1)
+  local home="${CARGO_HOME:-$HOME/.cargo}"
+  local crate
+  crate=$(ls "$home"/registry/cache/*/candle-flash-attn-$version.crate 2>/dev/null | head -n 1 || true)
+  if [ -z "$crate" ]; then
+    cargo fetch --quiet # the lock file pins the optional dependency too
+    crate=$(ls "$home"/registry/cache/*/candle-flash-attn-$version.crate | head -n 1)
   fi
   local stub="$cache/candle-flash-attn-$version-nobuild"
-  rm -rf "$stub" && cp -r "$src" "$stub"
+  rm -rf "$stub" && mkdir -p "$stub"
+  tar -xzf "$crate" -C "$stub" --strip-components=1
   # No build script (it would run nvcc and clone CUTLASS), no build dependencies.
   echo 'fn main() {}' >"$stub/build.rs"
   python3 - "$stub/Cargo.toml" <<'PY'
@@ -90,8 +94,12 @@ check_metal() {
       return 1
     fi
   fi
-  echo "== cargo check --features metal --target $target --all-targets"
-  CARGO_TARGET_DIR="$cache/target-metal" cargo check --release --features metal --target "$target" --all-targets
+  # Without the default `hub` feature: its TLS stack (ring) compiles C code, which needs an
+  # Apple C toolchain that Linux lacks; `hub` is platform-independent Rust and is checked
+  # by every Linux build.
+  echo "== cargo check --no-default-features --features metal --target $target --all-targets"
+  CARGO_TARGET_DIR="$cache/target-metal" cargo check --release --no-default-features --features metal \
+    --target "$target" --all-targets
 }
 
 for w in "${what[@]}"; do

@@ -15,10 +15,13 @@
 use std::arch::x86_64::*;
 
 /// Depth of one pass over a panel (128 x 64 floats = 32 KiB at most).
+#[cfg(target_arch = "x86_64")]
 const KC: usize = 128;
 
 /// What the accumulators start from.
 #[derive(Debug, Clone, Copy)]
+// Only the x86-64 kernels read the bias pointer.
+#[cfg_attr(not(target_arch = "x86_64"), allow(dead_code))]
 pub(crate) enum Start {
     /// Zero (`c = a @ panel`).
     Zero,
