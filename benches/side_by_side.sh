@@ -73,7 +73,7 @@ for line in open(sys.argv[1]):
     who, _, js = line.partition(" ")
     d = json.loads(js)
     key = (d["batch"], d["seq"], d["hidden"], d["heads"], d.get("kv_heads"), d.get("causal"),
-           d.get("weights"), d.get("core"), "matmul" in d.get("impl", ""))
+           d.get("weights"), d.get("core"), any(m in d.get("impl", "") for m in ("matmul", "torch.mm")))
     if key not in rows:
         rows[key] = {}
         order.append(key)
