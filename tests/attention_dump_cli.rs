@@ -17,17 +17,14 @@
 mod common;
 
 use std::ffi::OsStr;
-use std::fmt;
 use std::path::{Path, PathBuf};
 use std::process::{Command, Output};
-use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::OnceLock;
 
 use anyhow::{ensure, Context};
 use candle_core::Tensor;
-use common::{repo_path, Fixture};
-use serde::de::{IgnoredAny, MapAccess, Visitor};
-use serde::{Deserialize, Deserializer};
+use common::{repo_path, Fixture, KeyOrder, TempDir};
+use serde::Deserialize;
 
 const MODEL_NAME: &str = "sentence-transformers/all-MiniLM-L6-v2";
 const LAYERS: usize = 6;
@@ -161,33 +158,6 @@ fn expect_error(args: &[&str], needles: &[&str]) -> anyhow::Result<String> {
     expect_error_os(&args, needles)
 }
 
-/// A fresh directory under the system temp dir, removed on drop.
-struct TempDir(PathBuf);
-
-impl TempDir {
-    fn new(tag: &str) -> anyhow::Result<Self> {
-        static COUNTER: AtomicUsize = AtomicUsize::new(0);
-        let n = COUNTER.fetch_add(1, Ordering::Relaxed);
-        let dir = std::env::temp_dir().join(format!(
-            "candle-attention-dump-cli-{}-{tag}-{n}",
-            std::process::id()
-        ));
-        let _ = std::fs::remove_dir_all(&dir);
-        std::fs::create_dir_all(&dir)?;
-        Ok(Self(dir))
-    }
-
-    fn file(&self, name: &str) -> PathBuf {
-        self.0.join(name)
-    }
-}
-
-impl Drop for TempDir {
-    fn drop(&mut self) {
-        let _ = std::fs::remove_dir_all(&self.0);
-    }
-}
-
 /// Links (or, where links are not available, copies) `src` to `dst`.
 fn link_or_copy(src: &Path, dst: &Path) -> anyhow::Result<()> {
     #[cfg(unix)]
@@ -271,30 +241,6 @@ impl Dump {
             self.shape.to_vec(),
             &candle_core::Device::Cpu,
         )?)
-    }
-}
-
-/// The top-level keys of a JSON object, in the order they are written.
-struct KeyOrder(Vec<String>);
-
-impl<'de> Deserialize<'de> for KeyOrder {
-    fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
-        struct V;
-        impl<'de> Visitor<'de> for V {
-            type Value = KeyOrder;
-            fn expecting(&self, f: &mut fmt::Formatter) -> fmt::Result {
-                f.write_str("a JSON object")
-            }
-            fn visit_map<A: MapAccess<'de>>(self, mut map: A) -> Result<KeyOrder, A::Error> {
-                let mut keys = Vec::new();
-                while let Some(k) = map.next_key::<String>()? {
-                    map.next_value::<IgnoredAny>()?;
-                    keys.push(k);
-                }
-                Ok(KeyOrder(keys))
-            }
-        }
-        d.deserialize_map(V)
     }
 }
 

@@ -12,15 +12,13 @@
 mod common;
 
 use std::ffi::OsStr;
-use std::fmt;
 use std::path::PathBuf;
 use std::process::{Command, Output};
 use std::sync::OnceLock;
 
 use anyhow::{ensure, Context};
-use common::{repo_path, Fixture};
-use serde::de::{IgnoredAny, MapAccess, Visitor};
-use serde::{Deserialize, Deserializer};
+use common::{repo_path, Fixture, KeyOrder};
+use serde::Deserialize;
 
 const DIM: usize = 384;
 const NORM_TOL: f32 = 1e-5;
@@ -91,30 +89,6 @@ fn expect_error(args: &[&str], needles: &[&str]) -> anyhow::Result<()> {
 struct Embedding {
     text: String,
     embedding: Vec<f32>,
-}
-
-/// The top-level keys of a JSON object, in the order they are written.
-struct KeyOrder(Vec<String>);
-
-impl<'de> Deserialize<'de> for KeyOrder {
-    fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
-        struct V;
-        impl<'de> Visitor<'de> for V {
-            type Value = KeyOrder;
-            fn expecting(&self, f: &mut fmt::Formatter) -> fmt::Result {
-                f.write_str("a JSON object")
-            }
-            fn visit_map<A: MapAccess<'de>>(self, mut map: A) -> Result<KeyOrder, A::Error> {
-                let mut keys = Vec::new();
-                while let Some(k) = map.next_key::<String>()? {
-                    map.next_value::<IgnoredAny>()?;
-                    keys.push(k);
-                }
-                Ok(KeyOrder(keys))
-            }
-        }
-        d.deserialize_map(V)
-    }
 }
 
 /// Runs `embed --format json` on `texts` and checks every line: keys, dimension, unit

@@ -6,7 +6,6 @@ mod common;
 
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
-use std::sync::atomic::{AtomicUsize, Ordering};
 
 use candle_attention::{
     scaled_dot_product_attention, AttentionConfig, AttentionMask, Checkpoint, Error, HfConfig,
@@ -14,42 +13,11 @@ use candle_attention::{
     WeightLayout,
 };
 use candle_core::{DType, Device, Tensor};
+use common::TempDir;
 
 // ---------------------------------------------------------------------------------------
 // Helpers
 // ---------------------------------------------------------------------------------------
-
-/// A fresh directory under the system temp dir, removed on drop.
-struct TempDir(PathBuf);
-
-impl TempDir {
-    fn new(tag: &str) -> anyhow::Result<Self> {
-        static COUNTER: AtomicUsize = AtomicUsize::new(0);
-        let n = COUNTER.fetch_add(1, Ordering::Relaxed);
-        let dir = std::env::temp_dir().join(format!(
-            "candle-attention-errors-{}-{tag}-{n}",
-            std::process::id()
-        ));
-        std::fs::create_dir_all(&dir)?;
-        Ok(Self(dir))
-    }
-
-    fn file(&self, name: &str) -> PathBuf {
-        self.0.join(name)
-    }
-
-    fn write(&self, name: &str, bytes: &[u8]) -> anyhow::Result<PathBuf> {
-        let path = self.file(name);
-        std::fs::write(&path, bytes)?;
-        Ok(path)
-    }
-}
-
-impl Drop for TempDir {
-    fn drop(&mut self) {
-        let _ = std::fs::remove_dir_all(&self.0);
-    }
-}
 
 fn randn(shape: &[usize]) -> anyhow::Result<Tensor> {
     Ok(Tensor::randn(0f32, 1f32, shape, &Device::Cpu)?)

@@ -16,11 +16,10 @@ mod common;
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
 use std::process::{Command, Output};
-use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::OnceLock;
 
 use candle_core::{DType, Device, Tensor};
-use common::{assert_close, repo_path, Fixture};
+use common::{assert_close, repo_path, Fixture, TempDir};
 
 const WEIGHTS_TOL: f32 = 1e-5;
 const CONTEXT_TOL: f32 = 1e-4;
@@ -31,32 +30,6 @@ fn probe_bin() -> anyhow::Result<PathBuf> {
     BIN.get_or_init(|| common::example_bin("layer_probe").map_err(|e| format!("{e:#}")))
         .clone()
         .map_err(anyhow::Error::msg)
-}
-
-/// A fresh directory under the system temp dir, removed on drop.
-struct TempDir(PathBuf);
-
-impl TempDir {
-    fn new(tag: &str) -> anyhow::Result<Self> {
-        static COUNTER: AtomicUsize = AtomicUsize::new(0);
-        let n = COUNTER.fetch_add(1, Ordering::Relaxed);
-        let dir = std::env::temp_dir().join(format!(
-            "candle-attention-layer-probe-{}-{tag}-{n}",
-            std::process::id()
-        ));
-        std::fs::create_dir_all(&dir)?;
-        Ok(Self(dir))
-    }
-
-    fn file(&self, name: &str) -> PathBuf {
-        self.0.join(name)
-    }
-}
-
-impl Drop for TempDir {
-    fn drop(&mut self) {
-        let _ = std::fs::remove_dir_all(&self.0);
-    }
 }
 
 /// Runs the probe with `args` (strings or paths).

@@ -152,3 +152,65 @@ macro_rules! test_device {
         }
     };
 }
+
+/// A fresh directory under the system temp dir, removed on drop.
+pub struct TempDir(pub PathBuf);
+
+impl TempDir {
+    /// `candle-attention-test-<pid>-<tag>-<n>`, emptied if it exists.
+    pub fn new(tag: &str) -> anyhow::Result<Self> {
+        use std::sync::atomic::{AtomicUsize, Ordering};
+        static COUNTER: AtomicUsize = AtomicUsize::new(0);
+        let n = COUNTER.fetch_add(1, Ordering::Relaxed);
+        let dir = std::env::temp_dir().join(format!(
+            "candle-attention-test-{}-{tag}-{n}",
+            std::process::id()
+        ));
+        let _ = std::fs::remove_dir_all(&dir);
+        std::fs::create_dir_all(&dir)?;
+        Ok(Self(dir))
+    }
+
+    /// A path inside the directory.
+    pub fn file(&self, name: &str) -> PathBuf {
+        self.0.join(name)
+    }
+
+    /// Writes `bytes` to `name` inside the directory; returns its path.
+    pub fn write(&self, name: &str, bytes: &[u8]) -> anyhow::Result<PathBuf> {
+        let path = self.file(name);
+        std::fs::write(&path, bytes)?;
+        Ok(path)
+    }
+}
+
+impl Drop for TempDir {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_dir_all(&self.0);
+    }
+}
+
+/// The top-level keys of a JSON object, in the order they are written.
+pub struct KeyOrder(pub Vec<String>);
+
+impl<'de> serde::Deserialize<'de> for KeyOrder {
+    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        use serde::de::{IgnoredAny, MapAccess, Visitor};
+        struct V;
+        impl<'de> Visitor<'de> for V {
+            type Value = KeyOrder;
+            fn expecting(&self, f: &mut std::fmt::Formatter) -> std::fmt::Result {
+                f.write_str("a JSON object")
+            }
+            fn visit_map<A: MapAccess<'de>>(self, mut map: A) -> Result<KeyOrder, A::Error> {
+                let mut keys = Vec::new();
+                while let Some(k) = map.next_key::<String>()? {
+                    map.next_value::<IgnoredAny>()?;
+                    keys.push(k);
+                }
+                Ok(KeyOrder(keys))
+            }
+        }
+        d.deserialize_map(V)
+    }
+}
