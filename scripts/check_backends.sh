@@ -5,7 +5,7 @@
 #
 # CUDA: `cargo check --features cuda --all-targets` with nvcc from PyPI's CUDA 13.0 wheels
 #       (pinned: unpinned wheels drift to versions cudarc does not know). candle-kernels'
-#       build script runs nvcc, so the first check takes ~9 minutes on 2 cores; the
+#       build script runs nvcc, so the first check takes 9-27 minutes on 2 cores; the
 #       target directory is kept between runs.
 # flash-attn: `cargo check --features flash-attn --all-targets` against candle-flash-attn's
 #       real Rust API, with its build script stubbed out: that script compiles the kernels
