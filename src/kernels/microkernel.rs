@@ -14,6 +14,8 @@
 #[cfg(target_arch = "x86_64")]
 use std::arch::x86_64::*;
 
+use super::microkernel_avx2;
+
 /// Depth of one pass over a panel (128 x 64 floats = 32 KiB at most).
 #[cfg(target_arch = "x86_64")]
 const KC: usize = 128;
@@ -31,8 +33,8 @@ pub(crate) enum Start {
     Accumulate,
 }
 
-/// Whether this CPU runs these kernels.
-pub(crate) fn available() -> bool {
+/// Whether this CPU has AVX-512F (these kernels).
+fn avx512() -> bool {
     #[cfg(target_arch = "x86_64")]
     {
         use std::sync::OnceLock;
@@ -43,6 +45,12 @@ pub(crate) fn available() -> bool {
     {
         false
     }
+}
+
+/// Whether this CPU runs a panel micro-kernel: the AVX-512 ones here, or the AVX2 + FMA
+/// ones of [`super::microkernel_avx2`] on the same panels.
+pub(crate) fn available() -> bool {
+    avx512() || microkernel_avx2::available()
 }
 
 /// `c[0..m, 0..width] (=|+=) a[0..m, 0..k] @ b[0..k, 0..width]` for a panel `b` of `W`
@@ -65,6 +73,11 @@ pub(crate) unsafe fn panel_product<const W: usize>(
     ldc: usize,
     start: Start,
 ) {
+    if !avx512() {
+        // SAFETY: `available()` holds without AVX-512 only when AVX2 + FMA are there; the
+        // caller's guarantees are the same.
+        return microkernel_avx2::panel_product::<W>(m, k, a, lda, b, width, c, ldc, start);
+    }
     #[cfg(target_arch = "x86_64")]
     {
         if m == 0 || width == 0 {
@@ -415,7 +428,11 @@ mod tests {
             .collect()
     }
 
-    fn check<const W: usize>(m: usize, k: usize, width: usize) {
+    /// A `panel_product` implementation.
+    type Product =
+        unsafe fn(usize, usize, *const f32, usize, *const f32, usize, *mut f32, usize, Start);
+
+    fn check<const W: usize>(product: Product, m: usize, k: usize, width: usize) {
         let a = values(m * k, 1);
         let b = values(k * W, 2);
         let bias = values(width, 3);
@@ -425,7 +442,7 @@ mod tests {
             let mut out = before.clone();
             // SAFETY: the buffers have the sizes the kernel reads and writes.
             unsafe {
-                panel_product::<W>(
+                product(
                     m,
                     k,
                     a.as_ptr(),
@@ -456,17 +473,37 @@ mod tests {
         c.clear();
     }
 
+    /// Every tile size and edge (rows not a multiple of 8, 6 or 4; widths not a multiple
+    /// of 24, 16 or 8; depths over several blocks) of the dispatching kernel and, where the
+    /// CPU has AVX2 (also on AVX-512 machines, which dispatch elsewhere), the AVX2 kernels.
     #[test]
     fn panel_products_on_every_edge() {
-        if !available() {
-            return;
+        let mut products: Vec<(Product, Product)> = Vec::new();
+        if available() {
+            products.push((panel_product::<48>, panel_product::<64>));
         }
-        for (m, k) in [(1, 1), (7, 3), (8, 129), (13, 300), (6, 0), (25, 64)] {
-            for width in [1, 16, 17, 40, 48] {
-                check::<48>(m, k, width);
-            }
-            for width in [5, 32, 63, 64] {
-                check::<64>(m, k, width);
+        if microkernel_avx2::available() {
+            products.push((
+                microkernel_avx2::panel_product::<48>,
+                microkernel_avx2::panel_product::<64>,
+            ));
+        }
+        for (p48, p64) in products {
+            for (m, k) in [
+                (1, 1),
+                (7, 3),
+                (8, 129),
+                (13, 300),
+                (6, 0),
+                (25, 64),
+                (4, 97),
+            ] {
+                for width in [1, 8, 9, 16, 17, 24, 25, 40, 47, 48] {
+                    check::<48>(p48, m, k, width);
+                }
+                for width in [5, 8, 16, 32, 41, 63, 64] {
+                    check::<64>(p64, m, k, width);
+                }
             }
         }
     }

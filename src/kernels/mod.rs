@@ -20,6 +20,7 @@ mod flash;
 mod mask_plan;
 mod matrix;
 mod microkernel;
+mod microkernel_avx2;
 pub(crate) mod packed;
 mod problem;
 pub(crate) mod projection;
@@ -69,8 +70,11 @@ pub(crate) fn run(
         WeightsMode::Return => {
             let bytes = memory::attention_weights_bytes(p.batch, p.heads, p.seq_q, p.seq_k);
             memory::ensure_allocatable("the attention weights", bytes)?;
-            let mut w = vec![0f32; p.batch * p.heads * p.seq_q * p.seq_k];
-            rows::attention_with_weights(p, out, &mut w, packed)?;
+            let n = p.batch * p.heads * p.seq_q * p.seq_k;
+            let mut w: Vec<f32> = Vec::with_capacity(n);
+            rows::attention_with_weights(p, out, &mut w.spare_capacity_mut()[..n], packed)?;
+            // SAFETY: `attention_with_weights` initialised all `n` elements (it returned Ok).
+            unsafe { w.set_len(n) };
             Ok(Some(w))
         }
         WeightsMode::Stream(f) => {
@@ -265,7 +269,10 @@ mod tests {
                 close(&format!("{what}: tiled context"), &ctx, &want_ctx, 2e-5);
                 let mut w = vec![f32::NAN; want_w.len()];
                 ctx.fill(f32::NAN);
-                rows::attention_with_weights(&p, &out_of(&mut ctx, c), &mut w, packed)?;
+                let wu = w.as_mut_slice();
+                // SAFETY: f32 -> MaybeUninit<f32> is always sound (same layout).
+                let wu = unsafe { &mut *(wu as *mut [f32] as *mut [std::mem::MaybeUninit<f32>]) };
+                rows::attention_with_weights(&p, &out_of(&mut ctx, c), wu, packed)?;
                 close(&format!("{what}: weights"), &w, &want_w, 1e-6);
                 close(
                     &format!("{what}: context with weights"),

@@ -6,6 +6,8 @@
 //! between the score product, the softmax and the returned weights) or a per-block buffer
 //! handed to a callback ([`attention_streamed`]), whose memory does not grow with `seq_q`.
 
+use std::mem::MaybeUninit;
+
 use rayon::prelude::*;
 
 use super::matrix::MatMut;
@@ -124,11 +126,22 @@ fn block(
     Ok(())
 }
 
-/// Weights `(batch, heads, seq_q, seq_k)` into `weights` and the context into `out`.
+/// Zeroes `w` and returns it initialised. Done per block inside its task, so the pages are
+/// touched in parallel and the block is in cache when its scores are written.
+fn zeroed(w: &mut [MaybeUninit<f32>]) -> &mut [f32] {
+    w.fill(MaybeUninit::new(0.0));
+    // SAFETY: every element was just initialised, and `MaybeUninit<f32>` has the layout of
+    // `f32`.
+    unsafe { &mut *(w as *mut [MaybeUninit<f32>] as *mut [f32]) }
+}
+
+/// Weights `(batch, heads, seq_q, seq_k)` into `weights` and the context into `out`. Every
+/// element of `weights` is initialised when this returns `Ok` (it may start uninitialised:
+/// each block zeroes its own part in parallel instead of one thread zeroing them all first).
 pub(crate) fn attention_with_weights(
     p: &Problem<'_>,
     out: &OutOperand<'_>,
-    weights: &mut [f32],
+    weights: &mut [MaybeUninit<f32>],
     packed: bool,
 ) -> Result<()> {
     p.validate()?;
@@ -157,7 +170,10 @@ pub(crate) fn attention_with_weights(
             per_head
                 .par_chunks_mut(rows * sk)
                 .enumerate()
-                .try_for_each(|(qb, w)| block(p, prods, out, w, b, h, qb * rows, w.len() / sk))
+                .try_for_each(|(qb, w)| {
+                    let n = w.len() / sk;
+                    block(p, prods, out, zeroed(w), b, h, qb * rows, n)
+                })
         })
 }
 

@@ -208,17 +208,21 @@ unsafe fn row_max_avx512(x: &[f32]) -> f32 {
     _mm512_reduce_max_ps(_mm512_max_ps(acc0, acc1))
 }
 
+/// `exp(x)` for `x <= 0`, `-inf` or NaN (what the softmax feeds it: a score minus its row
+/// maximum), 8 lanes: the same polynomial as [`exp`], with fewer steps than a general
+/// exponential (no upper clamp; one compare both flushes inputs below -87 to 0 and keeps
+/// NaN, which the polynomial propagates). The rounding of `x log2(e)` to an integer is the
+/// "magic number" addition, whose bits also give `2^n` with one shift.
 #[cfg(target_arch = "x86_64")]
+#[inline]
 #[target_feature(enable = "avx2,fma")]
-unsafe fn exp_avx2(x: __m256) -> __m256 {
-    let keep = _mm256_cmp_ps::<_CMP_GE_OQ>(x, _mm256_set1_ps(EXP_FLUSH));
-    let nan = _mm256_cmp_ps::<_CMP_UNORD_Q>(x, x);
-    let x = _mm256_max_ps(_mm256_set1_ps(EXP_FLUSH), x);
-    let x = _mm256_min_ps(_mm256_set1_ps(EXP_MAX), x);
-    let n = _mm256_round_ps::<{ _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC }>(_mm256_mul_ps(
-        x,
-        _mm256_set1_ps(LOG2E),
-    ));
+unsafe fn exp_nonpositive_avx2(x: __m256) -> __m256 {
+    // 1.5 * 2^23 + 127: `x log2(e) + MAGIC` is an f32 in [2^23, 2^24) whose low mantissa
+    // bits hold `n + 127`, n = round(x log2(e)) (|n| <= 126 for the lanes kept).
+    const MAGIC: f32 = 12_583_039.0;
+    let keep = _mm256_cmp_ps::<_CMP_NLT_UQ>(x, _mm256_set1_ps(EXP_FLUSH));
+    let t = _mm256_fmadd_ps(x, _mm256_set1_ps(LOG2E), _mm256_set1_ps(MAGIC));
+    let n = _mm256_sub_ps(t, _mm256_set1_ps(MAGIC));
     let r = _mm256_fnmadd_ps(n, _mm256_set1_ps(LN2_HI), x);
     let r = _mm256_fnmadd_ps(n, _mm256_set1_ps(LN2_LO), r);
     let mut y = _mm256_set1_ps(P0);
@@ -229,13 +233,10 @@ unsafe fn exp_avx2(x: __m256) -> __m256 {
     y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(P5));
     let r2 = _mm256_mul_ps(r, r);
     y = _mm256_fmadd_ps(y, r2, _mm256_add_ps(r, _mm256_set1_ps(1.0)));
-    let pow2n = _mm256_castsi256_ps(_mm256_slli_epi32::<23>(_mm256_add_epi32(
-        _mm256_cvtps_epi32(n),
-        _mm256_set1_epi32(127),
-    )));
-    let e = _mm256_mul_ps(y, pow2n);
-    // NaN lanes keep the NaN, flushed lanes are 0.
-    _mm256_or_ps(_mm256_and_ps(e, keep), _mm256_and_ps(x, nan))
+    // (n + 127) << 23: the exponent field of 2^n (the bits above shift out).
+    let pow2n = _mm256_castsi256_ps(_mm256_slli_epi32::<23>(_mm256_castps_si256(t)));
+    // Flushed lanes are 0; NaN lanes keep the NaN of the polynomial.
+    _mm256_and_ps(_mm256_mul_ps(y, pow2n), keep)
 }
 
 #[cfg(target_arch = "x86_64")]
@@ -244,16 +245,26 @@ unsafe fn exp_shifted_sum_avx2(x: &mut [f32], m: f32) -> f32 {
     let n = x.len();
     let p = x.as_mut_ptr();
     let vm = _mm256_set1_ps(m);
-    let mut acc = _mm256_setzero_ps();
+    let mut acc0 = _mm256_setzero_ps();
+    let mut acc1 = _mm256_setzero_ps();
     let mut i = 0;
-    while i + 8 <= n {
-        let e = exp_avx2(_mm256_sub_ps(_mm256_loadu_ps(p.add(i)), vm));
+    while i + 16 <= n {
+        let e0 = exp_nonpositive_avx2(_mm256_sub_ps(_mm256_loadu_ps(p.add(i)), vm));
+        let e1 = exp_nonpositive_avx2(_mm256_sub_ps(_mm256_loadu_ps(p.add(i + 8)), vm));
+        _mm256_storeu_ps(p.add(i), e0);
+        _mm256_storeu_ps(p.add(i + 8), e1);
+        acc0 = _mm256_add_ps(acc0, e0);
+        acc1 = _mm256_add_ps(acc1, e1);
+        i += 16;
+    }
+    if i + 8 <= n {
+        let e = exp_nonpositive_avx2(_mm256_sub_ps(_mm256_loadu_ps(p.add(i)), vm));
         _mm256_storeu_ps(p.add(i), e);
-        acc = _mm256_add_ps(acc, e);
+        acc0 = _mm256_add_ps(acc0, e);
         i += 8;
     }
     let mut lanes = [0f32; 8];
-    _mm256_storeu_ps(lanes.as_mut_ptr(), acc);
+    _mm256_storeu_ps(lanes.as_mut_ptr(), _mm256_add_ps(acc0, acc1));
     let mut sum = lanes.iter().sum::<f32>();
     while i < n {
         let e = exp(*p.add(i) - m);
@@ -305,6 +316,34 @@ mod tests {
         assert_eq!(exp(f32::NEG_INFINITY), 0.0);
         assert_eq!(exp(-1e4), 0.0);
         assert!(exp(f32::NAN).is_nan());
+    }
+
+    #[test]
+    fn vector_exp_matches_std_flushes_and_keeps_nan() {
+        // Shifted scores x - m over the whole range the softmax sees, past the flush point,
+        // with -inf (masked) and NaN lanes at positions of both vector halves and the tail.
+        let mut x: Vec<f32> = (0..=9000).map(|i| -(i as f32) * 0.01).collect();
+        x.extend([-86.99, -87.0, -87.01, -100.0, -1e-7, f32::NEG_INFINITY]);
+        x[3] = f32::NAN;
+        x[12] = f32::NEG_INFINITY;
+        let n = x.len();
+        x[n - 2] = f32::NAN;
+        let mut e = x.clone();
+        let sum = exp_shifted_sum(&mut e, 0.0);
+        assert!(sum.is_nan());
+        for (&v, &got) in x.iter().zip(&e) {
+            if v.is_nan() {
+                assert!(got.is_nan(), "exp(NaN) = {got}");
+            } else if v < EXP_FLUSH {
+                assert_eq!(got, 0.0, "exp({v}) must flush to 0");
+            } else {
+                let r = v.exp();
+                assert!(
+                    (got - r).abs() <= 4.0 * f32::EPSILON * r && got >= f32::MIN_POSITIVE,
+                    "exp({v}) = {got}, std {r}"
+                );
+            }
+        }
     }
 
     #[test]
