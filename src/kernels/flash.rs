@@ -21,6 +21,10 @@ use super::simd;
 use super::tile_products::{KvPanels, Products, KEY_PANEL};
 use crate::error::Result;
 
+/// Rows per product on a tile that crosses the causal diagonal (a multiple of the
+/// micro-kernels' 4 and 6 rows).
+const DIAGONAL_ROWS: usize = 24;
+
 /// Packed K and V above this size are packed one key/value head at a time (the heads then
 /// run one after the other, each with all threads), so memory stays linear and small.
 const UPFRONT_PANEL_BYTES: usize = 32 << 20;
@@ -177,9 +181,24 @@ fn task(
                     simd::scale(&mut acc[r * dv..(r + 1) * dv], alpha);
                 }
             }
-            // acc += P V, (n, dv)
-            let mut accm = MatMut::new(acc, 0, n, dv, dv)?;
-            prods.weighted_values(p, b, h, &s[off..], ld, n, (lo, cols), &mut accm, true)?;
+            // acc += P V, (n, dv); on a tile that crosses the causal diagonal, by groups of
+            // rows, each over the keys its last row can see (the weights past them are 0).
+            let group = if p.causal_cuts(i0, lo, cols) {
+                DIAGONAL_ROWS
+            } else {
+                n
+            };
+            let mut r = 0;
+            while r < n {
+                let rows = group.min(n - r);
+                let seen = p.causal_visible_keys(i0 + r + rows - 1, lo, cols);
+                if seen > 0 {
+                    let mut accm = MatMut::new(acc, r * dv, rows, dv, dv)?;
+                    let pm = &s[r * ld + off..];
+                    prods.weighted_values(p, b, h, pm, ld, rows, (lo, seen), &mut accm, true)?;
+                }
+                r += rows;
+            }
             j0 = hi;
         }
         // SAFETY: this task is the only one that handles rows i0..i0+n of head h in b.

@@ -190,6 +190,24 @@ impl Problem<'_> {
         Ok(())
     }
 
+    /// How many of the queries `i0, i0 + 1, ..` see no key at or after `j` under the causal
+    /// part of the mask (0 without one): query `i` sees keys up to `off + i`.
+    pub fn causal_hidden_rows(&self, i0: usize, j: usize) -> usize {
+        match self.mask.causal_offset {
+            Some(off) => j.saturating_sub(off + i0),
+            None => 0,
+        }
+    }
+
+    /// How many of the keys `j0..j0 + cols` query `i` sees under the causal part of the mask
+    /// (they come first: a prefix of the range), `cols` without one.
+    pub fn causal_visible_keys(&self, i: usize, j0: usize, cols: usize) -> usize {
+        match self.mask.causal_offset {
+            Some(off) => (off + i + 1).saturating_sub(j0).min(cols),
+            None => cols,
+        }
+    }
+
     /// Whether the causal part hides some key of `j0..j0 + cols` from one of the queries
     /// `i0..i0 + n` (otherwise the causal mask is a no-op on that tile).
     pub fn causal_cuts(&self, i0: usize, j0: usize, cols: usize) -> bool {

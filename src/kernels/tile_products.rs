@@ -205,22 +205,31 @@ impl Products<'_> {
                 while j < hi {
                     let i = j / KEY_PANEL;
                     let width = KEY_PANEL.min(hi - j);
+                    // Under a causal mask the first rows may see no key of this panel: their
+                    // scores are left as they are (the mask overwrites them with -inf, as
+                    // it does every hidden key of a tile that crosses the diagonal).
+                    let r0 = p.causal_hidden_rows(i0, j).min(n);
+                    if r0 == n {
+                        j += width;
+                        continue;
+                    }
                     let at = (g * kv.nk + i) * dk * KEY_PANEL;
                     let panel =
                         kv.k.get(at..at + dk * KEY_PANEL)
                             .ok_or_else(|| too_small("key panel"))?;
                     // SAFETY: the micro-kernels run (the panels exist only then); qs holds
                     // n rows of dk floats, the panel dk x 48, and s n rows of at least
-                    // `j - j0 + width` columns at stride ld (checked above), distinct buffers.
+                    // `j - j0 + width` columns at stride ld (checked above), distinct buffers;
+                    // rows r0..n of each are a part of them (r0 < n).
                     unsafe {
                         panel_product::<KEY_PANEL>(
-                            n,
+                            n - r0,
                             dk,
-                            qs.as_ptr(),
+                            qs.as_ptr().add(r0 * dk),
                             dk,
                             panel.as_ptr(),
                             width,
-                            s.as_mut_ptr().add(j - j0),
+                            s.as_mut_ptr().add(r0 * ld + j - j0),
                             ld,
                             Start::Zero,
                         )
