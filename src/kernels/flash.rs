@@ -61,7 +61,7 @@ impl Blocks {
 }
 
 /// Context of every query (no weights), written to `out`; `packed`: use the micro-kernels
-/// (AVX-512) on packed K and V.
+/// (AVX-512 or AVX2 + FMA) on packed K and V.
 ///
 /// # Shapes
 /// - `p.q`: `(batch, heads, seq_q, d_k)`, `p.k`: `(batch, kv_heads, seq_k, d_k)`,

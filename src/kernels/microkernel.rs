@@ -1,4 +1,5 @@
-//! AVX-512 micro-kernels: `c (=|+=) a @ panel` for one panel of a packed right-hand side.
+//! Panel micro-kernels: `c (=|+=) a @ panel` for one panel of a packed right-hand side, in
+//! AVX-512 here and in AVX2 + FMA in [`super::microkernel_avx2`] (picked at run time).
 //!
 //! A panel is `(k, W)` row-major with `W` = 48 or 64 columns (3 or 4 registers), zero padded.
 //! The full tiles are `8 x 48` and `6 x 64` (24 accumulator registers each, so every weight

@@ -5,9 +5,10 @@
 //!   weights);
 //! - [`rows`]: row-block attention that writes the weights straight into the returned tensor,
 //!   or streams them block by block;
-//! - [`packed`]: `x W + b` with the weights packed once at load time (AVX-512 micro-kernel);
+//! - [`packed`]: `x W + b` with the weights packed once at load time (AVX-512 or AVX2 + FMA
+//!   micro-kernels);
 //! - [`projection`]: `x W^T + b` into a caller's buffer (bias fused into the product), the
-//!   `gemm` crate path for CPUs without AVX-512;
+//!   `gemm` crate path for CPUs without either;
 //! - [`self_attention`]: the whole multi-head forward on one fused Q/K/V buffer, with no
 //!   copy between the head split, the attention and the head merge;
 //! - [`sdpa`]: the kernels behind the tensor-level SDPA function.
@@ -51,7 +52,8 @@ pub(crate) enum WeightsMode<'f> {
 }
 
 /// Runs `p` writing the context into `out`; returns the weights in [`WeightsMode::Return`].
-/// The products use the AVX-512 micro-kernels on packed K and V where the CPU has them.
+/// The products use the micro-kernels (AVX-512 or AVX2 + FMA) on packed K and V where the CPU
+/// has them and the keys are many.
 pub(crate) fn run(
     p: &Problem<'_>,
     out: &OutOperand<'_>,
@@ -60,7 +62,9 @@ pub(crate) fn run(
     // Packing K and V into micro-kernel panels costs a pass over them per call; it pays when
     // each packed key tile is reused by many score tiles (several key tiles per row). With
     // one tile of keys (seq_k <= 512) the `gemm` crate on the strided heads was measured
-    // 10-15% faster (bench at seq 32, 128 and 512), at seq_k 4096 the panels ~12% faster.
+    // 10-15% faster (bench at seq 32, 128 and 512), at seq_k 4096 the panels ~12% faster
+    // (AVX-512). On AVX2 + FMA, packing per task instead of up front was no faster at seq
+    // 32 and 128 and 3% slower at 512.
     let packed = microkernel::available() && p.seq_k > PACK_MIN_KEYS;
     match mode {
         WeightsMode::Skip => {

@@ -2,13 +2,13 @@
 //!
 //! A general matrix multiply repacks its right-hand side on every call; a layer's weights
 //! never change, so they are packed once into panels of 48 output columns, each stored
-//! `(in, 48)` contiguous and zero padded. The AVX-512 micro-kernel
-//! ([`super::microkernel`]) then computes 8 rows x 48 columns at a time, reading each panel
-//! as one contiguous stream, with the bias loaded into the accumulators (no separate pass).
-//! Work is split over `(row block, panel)` tasks on the rayon pool.
+//! `(in, 48)` contiguous and zero padded. The micro-kernels ([`super::microkernel`]) then
+//! compute 8 rows x 48 columns at a time (AVX-512) or 4 rows x 24 columns (AVX2 + FMA),
+//! reading each panel as one contiguous stream, with the bias loaded into the accumulators
+//! (no separate pass). Work is split over `(row block, panel)` tasks on the rayon pool.
 //!
-//! Packing needs AVX-512F at run time; [`PackedWeight::pack`] returns `None` elsewhere and
-//! callers keep the plain matrix (the `gemm` crate path).
+//! Packing needs AVX-512F or AVX2 + FMA at run time; [`PackedWeight::pack`] returns `None`
+//! elsewhere and callers keep the plain matrix (the `gemm` crate path).
 
 use rayon::prelude::*;
 
@@ -16,7 +16,7 @@ use super::matrix::MatRef;
 use super::microkernel::{self, panel_product, Start};
 use crate::error::{Error, Result};
 
-/// Output columns per panel (3 AVX-512 registers).
+/// Output columns per panel (3 AVX-512 registers, or two 4 x 24 AVX2 tiles).
 const PANEL: usize = 48;
 /// Rows per task: a block of activations stays in L2 while the panels stream by.
 const MB: usize = 256;
@@ -51,7 +51,7 @@ pub(crate) fn available() -> bool {
 
 impl PackedWeight {
     /// Packs `w` `(k, n)`; `splits` are column indices (increasing, inside `0..n`) where
-    /// segments start. `None` when the CPU lacks AVX-512.
+    /// segments start. `None` when the CPU has neither AVX-512 nor AVX2 + FMA.
     pub fn pack(w: MatRef<'_>, splits: &[usize]) -> Option<Self> {
         if !available() {
             return None;
@@ -247,7 +247,7 @@ mod tests {
             let w = values(k * n, 2);
             let bias = values(n, 3);
             let packed = PackedWeight::pack(MatRef::row_major(&w, k, n)?, &[split])
-                .ok_or_else(|| Error::Kernel("no AVX-512".into()))?;
+                .ok_or_else(|| Error::Kernel("no micro-kernel on this CPU".into()))?;
             assert_eq!(packed.unpack(), w);
             let xm = MatRef::row_major(&x, m, k)?;
             let nseg = if split == 0 || split == n { 1 } else { 2 };

@@ -11,6 +11,7 @@
 
 #[cfg(target_arch = "x86_64")]
 use std::arch::x86_64::*;
+use std::mem::MaybeUninit;
 use std::sync::OnceLock;
 
 /// Below this, `exp` returns exactly 0 (`exp(-87) ~ 1.6e-38`, the smallest normal f32 is
@@ -108,6 +109,49 @@ pub(crate) fn exp_shifted_sum(x: &mut [f32], m: f32) -> f32 {
             sum
         }
     }
+}
+
+/// `dst = src` (equal lengths) with streaming (non-temporal) stores where the CPU has AVX:
+/// the destination's cache lines are written without being read first and do not evict
+/// the cache. Meant for large results written once and not read again soon.
+pub(crate) fn copy_streaming(dst: &mut [MaybeUninit<f32>], src: &[f32]) {
+    let n = dst.len().min(src.len());
+    #[cfg(target_arch = "x86_64")]
+    {
+        if isa() != Isa::Scalar {
+            // SAFETY: AVX is part of both vector ISAs checked by `isa`; both slices hold `n`
+            // elements and do not overlap (one is borrowed mutably).
+            unsafe { copy_streaming_avx(dst.as_mut_ptr().cast::<f32>(), src.as_ptr(), n) };
+            return;
+        }
+    }
+    for (d, &s) in dst[..n].iter_mut().zip(&src[..n]) {
+        d.write(s);
+    }
+}
+
+/// # Safety
+/// The CPU has AVX; `dst` and `src` address `n` floats each and do not overlap.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx")]
+unsafe fn copy_streaming_avx(dst: *mut f32, src: *const f32, n: usize) {
+    // Scalar stores up to a 32-byte boundary of `dst` (streaming stores need it).
+    let mut i = 0;
+    while i < n && (dst.add(i) as usize) % 32 != 0 {
+        *dst.add(i) = *src.add(i);
+        i += 1;
+    }
+    while i + 8 <= n {
+        _mm256_stream_ps(dst.add(i), _mm256_loadu_ps(src.add(i)));
+        i += 8;
+    }
+    while i < n {
+        *dst.add(i) = *src.add(i);
+        i += 1;
+    }
+    // Streaming stores are weakly ordered: make them visible before anything that follows
+    // (the task's completion, then the caller's reads).
+    _mm_sfence();
 }
 
 /// `x *= a`.
@@ -342,6 +386,26 @@ mod tests {
                     (got - r).abs() <= 4.0 * f32::EPSILON * r && got >= f32::MIN_POSITIVE,
                     "exp({v}) = {got}, std {r}"
                 );
+            }
+        }
+    }
+
+    #[test]
+    fn streaming_copy_writes_every_element_at_any_alignment() {
+        let src: Vec<f32> = (0..300).map(|i| i as f32 * 0.5 - 7.0).collect();
+        for start in 0..9 {
+            for len in [0usize, 1, 7, 8, 9, 31, 100, 291 - start] {
+                let mut dst = vec![MaybeUninit::new(f32::NAN); 300];
+                copy_streaming(&mut dst[start..start + len], &src[..len]);
+                for (i, d) in dst.iter().enumerate() {
+                    // SAFETY: every element was initialised (NaN, then maybe copied over).
+                    let v = unsafe { d.assume_init() };
+                    if i >= start && i < start + len {
+                        assert_eq!(v, src[i - start], "start {start}, len {len}, at {i}");
+                    } else {
+                        assert!(v.is_nan(), "start {start}, len {len}: wrote outside at {i}");
+                    }
+                }
             }
         }
     }

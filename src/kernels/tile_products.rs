@@ -1,6 +1,6 @@
 //! The two products of attention on a tile, `S = scale * Q K^T` and `O (+)= P V`, in one of
 //! two ways:
-//! - [`Products::Packed`] (CPUs with AVX-512): K and V packed once per call (or per key/value
+//! - [`Products::Packed`] (CPUs with AVX-512 or AVX2 + FMA): K and V packed once per call (or per key/value
 //!   head for long sequences, to keep memory low) into the panels of the micro-kernels —
 //!   K^T in panels of 48 keys, V in panels of 64 value columns — and the scaled query rows
 //!   copied once per task, so the products stream contiguous panels and never repack;
