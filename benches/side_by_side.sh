@@ -23,6 +23,10 @@ OUT="$(mktemp)"
 trap 'rm -f "$OUT"' EXIT
 
 load() { cut -d' ' -f1 /proc/loadavg; }
+# One discarded call first: the first timed process after a build ran measurably slower
+# (up to 1.7x at seq 32) than every later one, both tools alike.
+"$BENCH" --batch 1 --seq 32 --hidden 384 --heads 12 --json >/dev/null
+"$PY" benches/compare_pytorch.py --seq 32 --hidden 384 --heads 12 --threads "$THREADS" --json >/dev/null || true
 echo "load average (1 min) before: $(load)" >&2
 
 # label | shape flags
