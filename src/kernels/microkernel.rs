@@ -87,10 +87,7 @@ pub(crate) unsafe fn panel_product<const W: usize>(
         let vecs = width.div_ceil(16);
         let rem = width - (vecs - 1) * 16;
         let mask: u16 = if rem == 16 { 0xffff } else { (1u16 << rem) - 1 };
-        let mut k0 = 0;
-        let mut start = start;
-        loop {
-            let kc = KC.min(k - k0);
+        depth_blocks(k, KC, start, |k0, kc, start| {
             let (ak, bk) = (a.add(k0), b.add(k0 * W));
             match vecs {
                 4 => rows::<4, W>(m, kc, ak, lda, bk, c, ldc, start, mask),
@@ -98,16 +95,34 @@ pub(crate) unsafe fn panel_product<const W: usize>(
                 2 => rows::<2, W>(m, kc, ak, lda, bk, c, ldc, start, mask),
                 _ => rows::<1, W>(m, kc, ak, lda, bk, c, ldc, start, mask),
             }
-            k0 += kc;
-            start = Start::Accumulate;
-            if k0 >= k {
-                break;
-            }
-        }
+        });
     }
     #[cfg(not(target_arch = "x86_64"))]
     {
         let _ = (m, k, a, lda, b, width, c, ldc, start);
+    }
+}
+
+/// Calls `f(k0, kc, start)` for the depth blocks `k0..k0 + kc` of `0..k` (at least one,
+/// so that `Zero` and `Bias` starts still write `c` when `k == 0`); `start` for the first
+/// block, `Accumulate` for the others.
+#[cfg(target_arch = "x86_64")]
+pub(crate) fn depth_blocks(
+    k: usize,
+    block: usize,
+    start: Start,
+    mut f: impl FnMut(usize, usize, Start),
+) {
+    let mut k0 = 0;
+    let mut start = start;
+    loop {
+        let kc = block.min(k - k0);
+        f(k0, kc, start);
+        k0 += kc;
+        start = Start::Accumulate;
+        if k0 >= k {
+            break;
+        }
     }
 }
 

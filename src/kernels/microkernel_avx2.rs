@@ -12,6 +12,8 @@
 #[cfg(target_arch = "x86_64")]
 use std::arch::x86_64::*;
 
+#[cfg(target_arch = "x86_64")]
+use super::microkernel::depth_blocks;
 use super::microkernel::Start;
 
 /// Depth of one pass over a panel (96 x 64 floats = 24 KiB at most, within a 32 KiB L1).
@@ -57,17 +59,9 @@ pub(crate) unsafe fn panel_product<const W: usize>(
         if m == 0 || width == 0 {
             return;
         }
-        let mut k0 = 0;
-        let mut start = start;
-        loop {
-            let kc = KC.min(k - k0);
-            block::<W>(m, kc, a.add(k0), lda, b.add(k0 * W), width, c, ldc, start);
-            k0 += kc;
-            start = Start::Accumulate;
-            if k0 >= k {
-                break;
-            }
-        }
+        depth_blocks(k, KC, start, |k0, kc, start| {
+            block::<W>(m, kc, a.add(k0), lda, b.add(k0 * W), width, c, ldc, start)
+        });
     }
     #[cfg(not(target_arch = "x86_64"))]
     {
