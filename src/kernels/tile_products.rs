@@ -1,9 +1,10 @@
 //! The two products of attention on a tile, `S = scale * Q K^T` and `O (+)= P V`, in one of
 //! two ways:
-//! - [`Products::Packed`] (CPUs with AVX-512 or AVX2 + FMA): K and V packed once per call (or per key/value
-//!   head for long sequences, to keep memory low) into the panels of the micro-kernels —
-//!   K^T in panels of 48 keys, V in panels of 64 value columns — and the scaled query rows
-//!   copied once per task, so the products stream contiguous panels and never repack;
+//! - [`Products::Packed`] (CPUs with AVX-512 or AVX2 + FMA): K and V packed once per call (or
+//!   per key/value head for long sequences, to keep memory low) into the panels of the
+//!   micro-kernels — K^T in panels of 48 keys, V in panels of 64 value columns — and the
+//!   scaled query rows copied once per task, so the products stream contiguous panels and
+//!   never repack;
 //! - [`Products::Strided`] (other CPUs): the `gemm` crate on strided views of Q, K and V.
 
 use rayon::prelude::*;
