@@ -102,3 +102,29 @@ fn encoder_is_deterministic_and_thread_safe() -> anyhow::Result<()> {
         Ok(())
     })
 }
+
+#[test]
+fn forward_inside_a_rayon_pool_equals_forward_outside() -> anyhow::Result<()> {
+    // Called from outside the pool the fused forward hands itself to the pool; from a pool
+    // thread (here a pool of 3, another size than the global one) it runs where it is. Both
+    // must give the same bits, with and without weights, causal or not.
+    let layer = bert_layer()?;
+    let x = Tensor::randn(0f32, 1.0, (2, 45, 384), &Device::Cpu)?;
+    let outside = layer.forward_with_weights(&x, None)?;
+    let outside_fast = layer.forward(&x, None)?;
+    let pool = rayon::ThreadPoolBuilder::new().num_threads(3).build()?;
+    let (inside, inside_fast) = pool.install(|| -> anyhow::Result<_> {
+        Ok((
+            layer.forward_with_weights(&x, None)?,
+            layer.forward(&x, None)?,
+        ))
+    })?;
+    assert_eq!(bits(&outside.context)?, bits(&inside.context)?);
+    assert_eq!(
+        bits(&outside.weights.expect("w"))?,
+        bits(&inside.weights.expect("w"))?
+    );
+    assert_eq!(bits(&outside_fast.context)?, bits(&inside_fast.context)?);
+    assert_eq!(bits(&outside_fast.context)?, bits(&outside.context)?);
+    Ok(())
+}
