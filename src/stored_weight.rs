@@ -10,8 +10,8 @@ use crate::kernels::packed::{self, PackedWeight};
 
 /// The `(in, out)` form of a `(out, in)` checkpoint weight (the matrix `x W^T` multiplies
 /// by), stored as:
-/// - packed panels on a CPU with AVX-512 or AVX2 + FMA in f32 (the fused path's micro-kernel streams them
-///   without repacking on every call; the explicit path unpacks them);
+/// - packed panels on a CPU with AVX-512 or AVX2 + FMA in f32 (the fused path's micro-kernels
+///   stream them without repacking on every call; the explicit path unpacks them);
 /// - a contiguous `(in, out)` tensor on other CPUs (the matrix multiply reads it without
 ///   repacking), or the transposed view of the `(out, in)` tensor on other devices.
 ///

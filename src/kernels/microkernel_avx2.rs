@@ -157,21 +157,25 @@ unsafe fn tile<const W: usize>(
     }
 }
 
-/// Accumulators of an `R x C`-register tile, full width, from `start`.
+/// The accumulators of an `R x C`-register tile from `start`; the last register holds
+/// `last` (1..=8) columns (masked loads when fewer than 8).
 #[cfg(target_arch = "x86_64")]
 #[inline]
 #[target_feature(enable = "avx2,fma")]
-unsafe fn load_full<const R: usize, const C: usize>(
+unsafe fn load_tile<const R: usize, const C: usize>(
     c: *const f32,
     ldc: usize,
     start: Start,
+    last: usize,
 ) -> [[__m256; C]; R] {
+    let mask = lanes(last);
+    let load = |p: *const f32, j: usize| load_part(p, j == C - 1 && last < 8, mask);
     let mut acc = [[_mm256_setzero_ps(); C]; R];
     match start {
         Start::Zero => {}
         Start::Bias(bias) => {
             for j in 0..C {
-                let bv = _mm256_loadu_ps(bias.add(8 * j));
+                let bv = load(bias.add(8 * j), j);
                 for row in acc.iter_mut() {
                     row[j] = bv;
                 }
@@ -180,7 +184,7 @@ unsafe fn load_full<const R: usize, const C: usize>(
         Start::Accumulate => {
             for (r, row) in acc.iter_mut().enumerate() {
                 for (j, v) in row.iter_mut().enumerate() {
-                    *v = _mm256_loadu_ps(c.add(r * ldc + 8 * j));
+                    *v = load(c.add(r * ldc + 8 * j), j);
                 }
             }
         }
@@ -188,17 +192,25 @@ unsafe fn load_full<const R: usize, const C: usize>(
     acc
 }
 
+/// Stores an `R x C`-register tile; the last register holds `last` (1..=8) columns.
 #[cfg(target_arch = "x86_64")]
 #[inline]
 #[target_feature(enable = "avx2,fma")]
-unsafe fn store_full<const R: usize, const C: usize>(
+unsafe fn store_tile<const R: usize, const C: usize>(
     acc: &[[__m256; C]; R],
     c: *mut f32,
     ldc: usize,
+    last: usize,
 ) {
+    let mask = lanes(last);
     for (r, row) in acc.iter().enumerate() {
         for (j, v) in row.iter().enumerate() {
-            _mm256_storeu_ps(c.add(r * ldc + 8 * j), *v);
+            let p = c.add(r * ldc + 8 * j);
+            if j == C - 1 && last < 8 {
+                _mm256_maskstore_ps(p, mask, *v);
+            } else {
+                _mm256_storeu_ps(p, *v);
+            }
         }
     }
 }
@@ -218,9 +230,9 @@ unsafe fn kernel_4x24<const W: usize>(
     ldc: usize,
     start: Start,
 ) {
-    let acc = load_full::<4, 3>(c, ldc, start);
+    let acc = load_tile::<4, 3>(c, ldc, start, 8);
     if kc == 0 {
-        store_full::<4, 3>(&acc, c, ldc);
+        store_tile::<4, 3>(&acc, c, ldc, 8);
         return;
     }
     #[rustfmt::skip]
@@ -266,7 +278,7 @@ unsafe fn kernel_4x24<const W: usize>(
     );
     #[rustfmt::skip]
     let acc = [[c00, c01, c02], [c10, c11, c12], [c20, c21, c22], [c30, c31, c32]];
-    store_full::<4, 3>(&acc, c, ldc);
+    store_tile::<4, 3>(&acc, c, ldc, 8);
 }
 
 /// The full `6 x 16` tile, the inner loop in assembly (see [`kernel_4x24`]).
@@ -283,9 +295,9 @@ unsafe fn kernel_6x16<const W: usize>(
     ldc: usize,
     start: Start,
 ) {
-    let acc = load_full::<6, 2>(c, ldc, start);
+    let acc = load_tile::<6, 2>(c, ldc, start, 8);
     if kc == 0 {
-        store_full::<6, 2>(&acc, c, ldc);
+        store_tile::<6, 2>(&acc, c, ldc, 8);
         return;
     }
     #[rustfmt::skip]
@@ -334,7 +346,7 @@ unsafe fn kernel_6x16<const W: usize>(
     );
     #[rustfmt::skip]
     let acc = [[c00, c01], [c10, c11], [c20, c21], [c30, c31], [c40, c41], [c50, c51]];
-    store_full::<6, 2>(&acc, c, ldc);
+    store_tile::<6, 2>(&acc, c, ldc, 8);
 }
 
 /// Lane mask of the first `n` (1..=8) lanes.
@@ -376,28 +388,7 @@ unsafe fn kernel<const R: usize, const C: usize, const W: usize>(
     start: Start,
     last: usize,
 ) {
-    let full = last == 8;
-    let mask = lanes(last);
-    let load = |p: *const f32, j: usize| load_part(p, j == C - 1 && !full, mask);
-    let mut acc = [[_mm256_setzero_ps(); C]; R];
-    match start {
-        Start::Zero => {}
-        Start::Bias(bias) => {
-            for j in 0..C {
-                let bv = load(bias.add(8 * j), j);
-                for row in acc.iter_mut() {
-                    row[j] = bv;
-                }
-            }
-        }
-        Start::Accumulate => {
-            for (r, row) in acc.iter_mut().enumerate() {
-                for (j, v) in row.iter_mut().enumerate() {
-                    *v = load(c.add(r * ldc + 8 * j), j);
-                }
-            }
-        }
-    }
+    let mut acc = load_tile::<R, C>(c, ldc, start, last);
     let mut ap = a;
     let mut bp = b;
     for _ in 0..kc {
@@ -414,14 +405,5 @@ unsafe fn kernel<const R: usize, const C: usize, const W: usize>(
         ap = ap.add(1);
         bp = bp.add(W);
     }
-    for (r, row) in acc.iter().enumerate() {
-        for (j, v) in row.iter().enumerate() {
-            let p = c.add(r * ldc + 8 * j);
-            if j == C - 1 && !full {
-                _mm256_maskstore_ps(p, mask, *v);
-            } else {
-                _mm256_storeu_ps(p, *v);
-            }
-        }
-    }
+    store_tile::<R, C>(&acc, c, ldc, last);
 }

@@ -169,7 +169,10 @@ pub(crate) fn attention_with_weights(
                     with_scratch(n * sk + prods.q_scratch(p, n), |buf| {
                         let (wb, qs) = buf.split_at_mut(n * sk);
                         block(p, prods, out, wb, qs, b, h, qb * rows, n)?;
-                        simd::copy_streaming(w, wb);
+                        // Every element of `w` must be written: the caller relies on it.
+                        if simd::copy_streaming(w, wb) != w.len() {
+                            return Err(Error::Kernel("weights block not fully written".into()));
+                        }
                         Ok(())
                     })
                 })

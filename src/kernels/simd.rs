@@ -112,10 +112,11 @@ pub(crate) fn exp_shifted_sum(x: &mut [f32], m: f32) -> f32 {
     }
 }
 
-/// `dst = src` (equal lengths) with streaming (non-temporal) stores where the CPU has AVX:
-/// the destination's cache lines are written without being read first and do not evict
-/// the cache. Meant for large results written once and not read again soon.
-pub(crate) fn copy_streaming(dst: &mut [MaybeUninit<f32>], src: &[f32]) {
+/// `dst[..n] = src[..n]`, `n` the shorter length (returned), with streaming (non-temporal)
+/// stores where the CPU has AVX: the destination's cache lines are written without being
+/// read first and do not evict the cache. Meant for large results written once and not read
+/// again soon.
+pub(crate) fn copy_streaming(dst: &mut [MaybeUninit<f32>], src: &[f32]) -> usize {
     let n = dst.len().min(src.len());
     #[cfg(target_arch = "x86_64")]
     {
@@ -123,12 +124,13 @@ pub(crate) fn copy_streaming(dst: &mut [MaybeUninit<f32>], src: &[f32]) {
             // SAFETY: AVX is part of both vector ISAs checked by `isa`; both slices hold `n`
             // elements and do not overlap (one is borrowed mutably).
             unsafe { copy_streaming_avx(dst.as_mut_ptr().cast::<f32>(), src.as_ptr(), n) };
-            return;
+            return n;
         }
     }
     for (d, &s) in dst[..n].iter_mut().zip(&src[..n]) {
         d.write(s);
     }
+    n
 }
 
 /// # Safety
@@ -425,7 +427,10 @@ mod tests {
         for start in 0..9 {
             for len in [0usize, 1, 7, 8, 9, 31, 100, 291 - start] {
                 let mut dst = vec![MaybeUninit::new(f32::NAN); 300];
-                copy_streaming(&mut dst[start..start + len], &src[..len]);
+                assert_eq!(
+                    copy_streaming(&mut dst[start..start + len], &src[..len]),
+                    len
+                );
                 for (i, d) in dst.iter().enumerate() {
                     // SAFETY: every element was initialised (NaN, then maybe copied over).
                     let v = unsafe { d.assume_init() };
