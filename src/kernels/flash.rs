@@ -153,7 +153,7 @@ fn task(
         while j0 < end {
             let hi = (j0 + blocks.k).min(end);
             let lo = first.max(j0);
-            // S = scale * Q K^T for keys j0..hi, (n, hi - j0) at stride ld
+            // S = scale log2(e) Q K^T for keys j0..hi, (n, hi - j0) at stride ld (base 2)
             prods.scores(p, b, h, i0, n, (j0, hi), qs, s, ld)?;
             let (off, cols) = (lo - j0, hi - lo);
             let masked = masked_parts || p.causal_cuts(i0, lo, cols);
@@ -172,9 +172,9 @@ fn task(
                 let alpha = if m_old == f32::NEG_INFINITY {
                     0.0
                 } else {
-                    simd::exp(m_old - m_new)
+                    simd::exp2(m_old - m_new)
                 };
-                let sum = simd::exp_shifted_sum(row, m_new);
+                let sum = simd::exp2_shifted_sum(row, m_new);
                 l[r] = l[r] * alpha + sum;
                 m[r] = m_new;
                 if alpha != 1.0 {

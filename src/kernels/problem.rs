@@ -1,6 +1,8 @@
 //! One attention problem as the CPU kernels see it: strided f32 views of Q, K, V and the
 //! context, the grouped-head mapping, and the mask in structured form.
 
+use std::f32::consts::LOG2_E;
+
 use super::matrix::{MatMut, MatRef, SharedOut};
 use crate::error::{Error, Result};
 
@@ -81,7 +83,8 @@ pub(crate) struct DenseBias<'a> {
 }
 
 impl DenseBias<'_> {
-    /// `row[c] += bias[b, h, i, j0 + c]`.
+    /// `row[c] += log2(e) bias[b, h, i, j0 + c]` (the scores are in base-2 units, see
+    /// [`Problem::score_scale`]).
     pub fn add_to_row(
         &self,
         row: &mut [f32],
@@ -105,14 +108,14 @@ impl DenseBias<'_> {
         }
         match sk {
             0 => {
-                let v = self.data[start];
+                let v = LOG2_E * self.data[start];
                 row.iter_mut().for_each(|x| *x += v);
             }
-            1 => super::simd::add_assign(row, &self.data[start..start + n]),
+            1 => super::simd::add_scaled(row, &self.data[start..start + n], LOG2_E),
             _ => row
                 .iter_mut()
                 .enumerate()
-                .for_each(|(c, x)| *x += self.data[start + c * sk]),
+                .for_each(|(c, x)| *x += LOG2_E * self.data[start + c * sk]),
         }
         Ok(())
     }
@@ -124,7 +127,7 @@ impl DenseBias<'_> {
 pub(crate) struct KernelMask<'a> {
     /// Query `i` sees keys `j <= offset + i`.
     pub causal_offset: Option<usize>,
-    /// `(batch, seq_k)`: 0 for kept keys, `-inf` for padding.
+    /// `(batch, seq_k)`: 0 for kept keys, `-inf` for padding (the same in base-2 units).
     pub key_bias: Option<&'a [f32]>,
     /// Per batch, `[first, end)` of the kept keys (keys outside are never visited).
     pub key_range: Option<&'a [(usize, usize)]>,
@@ -150,6 +153,13 @@ pub(crate) struct Problem<'a> {
 }
 
 impl Problem<'_> {
+    /// The factor the kernels apply to `q . k`: the softmax scale times `log2(e)`. The
+    /// scores are then in base-2 units and the softmax takes `2^(s - max)`, which is
+    /// `exp(scale q . k - max)` without the exponential's multiply by `log2(e)` per element.
+    pub fn score_scale(&self) -> f32 {
+        self.scale * LOG2_E
+    }
+
     /// The key/value head query head `h` reads.
     pub fn kv_head(&self, h: usize) -> usize {
         h / (self.heads / self.kv_heads)
@@ -170,7 +180,7 @@ impl Problem<'_> {
         (first, end)
     }
 
-    /// Applies the mask to scores `row` of query `i` (batch `b`, head `h`) for keys
+    /// Applies the mask (in base-2 units) to scores `row` of query `i` (batch `b`, head `h`) for keys
     /// `j0..j0 + row.len()`.
     pub fn mask_row(&self, row: &mut [f32], b: usize, h: usize, i: usize, j0: usize) -> Result<()> {
         if let Some(kb) = self.mask.key_bias {

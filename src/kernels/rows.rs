@@ -68,7 +68,7 @@ pub(crate) fn softmax_block(
         )));
     }
     prods.prepare_queries(p, b, h, i0, n, qs)?;
-    // S = scale * Q K^T, (n, end - j0)
+    // S = scale log2(e) Q K^T, (n, end - j0), in base-2 units: the softmax takes 2^(s - max)
     prods.scores(p, b, h, i0, n, (j0, end), qs, &mut s[c0..], ld)?;
     let off = c0 + first - j0;
     let masked =
@@ -84,7 +84,7 @@ pub(crate) fn softmax_block(
             row.fill(0.0);
             continue;
         }
-        let sum = simd::exp_shifted_sum(row, m);
+        let sum = simd::exp2_shifted_sum(row, m);
         simd::scale(row, 1.0 / sum);
     }
     // context = P V, (n, dv)

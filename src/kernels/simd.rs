@@ -1,8 +1,11 @@
-//! Vectorised row operations of the softmax: row maximum and `exp(x - max)` with its sum.
+//! Vectorised row operations of the softmax: row maximum and `2^(x - max)` with its sum.
 //!
-//! The exponential is the Cephes single-precision polynomial (relative error ~2 ulp) in the
-//! scalar and AVX-512 code, and a `2^n 2^r` form with fewer multiply-adds in the AVX2+FMA
-//! code (~1.5 ulp; see [`exp_nonpositive_avx2`]); every version flushes inputs below -87 to
+//! The kernels run the softmax in base 2: the scores come out of the product already
+//! multiplied by `log2(e)` (folded into the query scale, see
+//! [`Problem::score_scale`](super::problem::Problem::score_scale)), so
+//! `exp(s - max) = 2^(s log2(e) - max')` needs no range reduction by `ln 2`. Every version
+//! (scalar, AVX2 + FMA, AVX-512) computes `2^x` as `2^n 2^r` with `n = round(x)`, `r = x - n`
+//! exact and the same degree-5 fit for `2^r` (~1.5 ulp), and flushes inputs below -125 to
 //! exactly 0 (so masked `-inf` scores give weight 0 and no denormal ever reaches a matrix
 //! multiply). The vector versions are picked at run time.
 // The AVX-512 intrinsics are stable since Rust 1.89, above the `rust-version` the manifest
@@ -15,20 +18,26 @@ use std::arch::x86_64::*;
 use std::mem::MaybeUninit;
 use std::sync::OnceLock;
 
-/// Below this, `exp` returns exactly 0 (`exp(-87) ~ 1.6e-38`, the smallest normal f32 is
-/// `1.2e-38`).
-const EXP_FLUSH: f32 = -87.0;
-const EXP_MAX: f32 = 88.0;
-const LOG2E: f32 = std::f32::consts::LOG2_E;
-/// `ln 2` split in two so that `x - n ln 2` stays exact for |n| <= 128.
-const LN2_HI: f32 = 0.693_359_4;
-const LN2_LO: f32 = -2.121_944_4e-4;
-const P0: f32 = 1.987_569_1e-4;
-const P1: f32 = 1.398_2e-3;
-const P2: f32 = 8.333_452e-3;
-const P3: f32 = 4.166_579_6e-2;
-const P4: f32 = 1.666_666_5e-1;
-const P5: f32 = 0.5;
+/// Below this, `exp2` returns exactly 0 (`2^-125 ~ 2.4e-38`; the smallest normal f32 is
+/// `2^-126`, and `2^n 2^r` with `n >= -125` is always normal).
+const EXP2_FLUSH: f32 = -125.0;
+/// From this up, `exp2` is `+inf` (the largest f32 is just under `2^128`).
+const EXP2_MAX: f32 = 128.0;
+/// 1.5 * 2^23: for |x| < 2^22, `x + MAGIC` is an f32 in [2^23, 2^24) (spacing 1), so the
+/// addition rounds `x` to the nearest integer `n`, and the sum's mantissa holds `2^22 + n`.
+const MAGIC: f32 = 12_582_912.0;
+
+/// `2^r` on `[-0.5, 0.5]` as `1 + r (Q1 + r (Q2 + r (Q3 + r (Q4 + r Q5))))`: a degree-5
+/// fit of least maximum relative error (9.2e-8 in exact arithmetic, 1.8e-7 evaluated in f32,
+/// about 1.5 ulp).
+// A fitted coefficient, close to but deliberately not `ln 2` (the fit spreads the error of
+// the truncated series over the interval).
+#[allow(clippy::approx_constant)]
+const Q1: f32 = 0.693_147;
+const Q2: f32 = 0.240_222_42;
+const Q3: f32 = 5.550_734_3e-2;
+const Q4: f32 = 9.671_514e-3;
+const Q5: f32 = 1.326_460_5e-3;
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 enum Isa {
@@ -55,29 +64,27 @@ fn isa() -> Isa {
     })
 }
 
-/// The scalar exponential (same polynomial as the vector versions).
+/// `2^x`, scalar (same reduction and polynomial as the vector versions): 0 below -125 and
+/// for `-inf`, NaN for NaN, `+inf` from 128 up.
 #[inline]
-pub(crate) fn exp(x: f32) -> f32 {
-    if x < EXP_FLUSH {
+pub(crate) fn exp2(x: f32) -> f32 {
+    if x < EXP2_FLUSH {
         return 0.0;
     }
     if x.is_nan() {
         return x;
     }
-    let x = x.min(EXP_MAX);
-    // Round to nearest by adding and removing 1.5 * 2^23 (no libm call).
-    const ROUND: f32 = 12_582_912.0;
-    let n = (x * LOG2E + ROUND) - ROUND;
-    let r = x - n * LN2_HI - n * LN2_LO;
-    let mut y = P0;
-    y = y * r + P1;
-    y = y * r + P2;
-    y = y * r + P3;
-    y = y * r + P4;
-    y = y * r + P5;
-    let y = y * (r * r) + r + 1.0;
-    // n is in [-126, 127] here, so 2^n is a normal f32.
-    y * f32::from_bits(((n as i32 + 127) as u32) << 23)
+    if x >= EXP2_MAX {
+        return f32::INFINITY;
+    }
+    // Round to nearest by adding and removing MAGIC (no libm call); r is exact.
+    let n = (x + MAGIC) - MAGIC;
+    let r = x - n;
+    let y = ((((Q5 * r + Q4) * r + Q3) * r + Q2) * r + Q1) * r + 1.0;
+    // n is in [-125, 128] here; 2^128 is not an f32, so 2^n is applied in two steps.
+    let n = n as i32;
+    let pow2 = |k: i32| f32::from_bits(((k + 127) as u32) << 23);
+    y * pow2(n / 2) * pow2(n - n / 2)
 }
 
 /// Largest element (`-inf` for an empty row).
@@ -92,19 +99,19 @@ pub(crate) fn row_max(x: &[f32]) -> f32 {
     }
 }
 
-/// `x[j] = exp(x[j] - m)` for every `j`; returns the sum of the new values. `m` must be
-/// finite.
-pub(crate) fn exp_shifted_sum(x: &mut [f32], m: f32) -> f32 {
+/// `x[j] = 2^(x[j] - m)` for every `j`; returns the sum of the new values. `m` must be
+/// finite and at least every `x[j]` (the softmax's row maximum, in base-2 units).
+pub(crate) fn exp2_shifted_sum(x: &mut [f32], m: f32) -> f32 {
     match isa() {
         // SAFETY: the CPU has the features these functions are compiled for (checked above).
         #[cfg(target_arch = "x86_64")]
-        Isa::Avx512 => unsafe { exp_shifted_sum_avx512(x, m) },
+        Isa::Avx512 => unsafe { exp2_shifted_sum_avx512(x, m) },
         #[cfg(target_arch = "x86_64")]
-        Isa::Avx2 => unsafe { exp_shifted_sum_avx2(x, m) },
+        Isa::Avx2 => unsafe { exp2_shifted_sum_avx2(x, m) },
         Isa::Scalar => {
             let mut sum = 0.0;
             for v in x.iter_mut() {
-                *v = exp(*v - m);
+                *v = exp2(*v - m);
                 sum += *v;
             }
             sum
@@ -173,32 +180,36 @@ pub(crate) fn add_assign(x: &mut [f32], y: &[f32]) {
     }
 }
 
+/// `x += a y` (element-wise, `x.len() == y.len()`).
+#[inline]
+pub(crate) fn add_scaled(x: &mut [f32], y: &[f32], a: f32) {
+    for (v, b) in x.iter_mut().zip(y) {
+        *v += a * *b;
+    }
+}
+
+/// `2^x`, 16 lanes: `2^n 2^r` with `n = round(x)`, `2^n` applied by
+/// [`scalef`](_mm512_scalef_ps); lanes below -125 (and `-inf`) are 0, NaN lanes stay NaN.
 #[cfg(target_arch = "x86_64")]
+#[inline]
 #[target_feature(enable = "avx512f")]
-unsafe fn exp_avx512(x: __m512) -> __m512 {
-    let flush = _mm512_cmp_ps_mask::<_CMP_LT_OQ>(x, _mm512_set1_ps(EXP_FLUSH));
-    // `max(lo, x)` / `min(hi, x)` return `x` when it is NaN, so NaN propagates.
-    let x = _mm512_max_ps(_mm512_set1_ps(EXP_FLUSH), x);
-    let x = _mm512_min_ps(_mm512_set1_ps(EXP_MAX), x);
-    let n = _mm512_roundscale_ps::<{ _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC }>(
-        _mm512_mul_ps(x, _mm512_set1_ps(LOG2E)),
-    );
-    let r = _mm512_fnmadd_ps(n, _mm512_set1_ps(LN2_HI), x);
-    let r = _mm512_fnmadd_ps(n, _mm512_set1_ps(LN2_LO), r);
-    let mut y = _mm512_set1_ps(P0);
-    y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(P1));
-    y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(P2));
-    y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(P3));
-    y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(P4));
-    y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(P5));
-    let r2 = _mm512_mul_ps(r, r);
-    y = _mm512_fmadd_ps(y, r2, _mm512_add_ps(r, _mm512_set1_ps(1.0)));
+unsafe fn exp2_avx512(x: __m512) -> __m512 {
+    // NaN compares false (ordered), so NaN lanes are kept and come out NaN.
+    let flush = _mm512_cmp_ps_mask::<_CMP_LT_OQ>(x, _mm512_set1_ps(EXP2_FLUSH));
+    let n = _mm512_roundscale_ps::<{ _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC }>(x);
+    // r = x - n in [-0.5, 0.5], exact
+    let r = _mm512_sub_ps(x, n);
+    let mut y = _mm512_fmadd_ps(_mm512_set1_ps(Q5), r, _mm512_set1_ps(Q4));
+    y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(Q3));
+    y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(Q2));
+    y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(Q1));
+    y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(1.0));
     _mm512_maskz_mov_ps(!flush, _mm512_scalef_ps(y, n))
 }
 
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx512f")]
-unsafe fn exp_shifted_sum_avx512(x: &mut [f32], m: f32) -> f32 {
+unsafe fn exp2_shifted_sum_avx512(x: &mut [f32], m: f32) -> f32 {
     let n = x.len();
     let p = x.as_mut_ptr();
     let vm = _mm512_set1_ps(m);
@@ -206,8 +217,8 @@ unsafe fn exp_shifted_sum_avx512(x: &mut [f32], m: f32) -> f32 {
     let mut acc1 = _mm512_setzero_ps();
     let mut i = 0;
     while i + 32 <= n {
-        let e0 = exp_avx512(_mm512_sub_ps(_mm512_loadu_ps(p.add(i)), vm));
-        let e1 = exp_avx512(_mm512_sub_ps(_mm512_loadu_ps(p.add(i + 16)), vm));
+        let e0 = exp2_avx512(_mm512_sub_ps(_mm512_loadu_ps(p.add(i)), vm));
+        let e1 = exp2_avx512(_mm512_sub_ps(_mm512_loadu_ps(p.add(i + 16)), vm));
         _mm512_storeu_ps(p.add(i), e0);
         _mm512_storeu_ps(p.add(i + 16), e1);
         acc0 = _mm512_add_ps(acc0, e0);
@@ -221,7 +232,7 @@ unsafe fn exp_shifted_sum_avx512(x: &mut [f32], m: f32) -> f32 {
         } else {
             (1u16 << left) - 1
         };
-        let e = exp_avx512(_mm512_sub_ps(_mm512_maskz_loadu_ps(mask, p.add(i)), vm));
+        let e = exp2_avx512(_mm512_sub_ps(_mm512_maskz_loadu_ps(mask, p.add(i)), vm));
         _mm512_mask_storeu_ps(p.add(i), mask, e);
         acc0 = _mm512_mask_add_ps(acc0, mask, acc0, e);
         i += 16;
@@ -255,52 +266,32 @@ unsafe fn row_max_avx512(x: &[f32]) -> f32 {
     _mm512_reduce_max_ps(_mm512_max_ps(acc0, acc1))
 }
 
-/// `2^r` on `[-0.5, 0.5]` as `1 + r (Q1 + r (Q2 + r (Q3 + r (Q4 + r Q5))))`: a degree-5
-/// fit of least maximum relative error (9.2e-8 in exact arithmetic, 1.8e-7 evaluated in f32
-/// within [`exp_nonpositive_avx2`], about 1.5 ulp).
-// A fitted coefficient, close to but deliberately not `ln 2` (the fit spreads the error of
-// the truncated series over the interval).
-#[allow(clippy::approx_constant)]
-const Q1: f32 = 0.693_147;
-const Q2: f32 = 0.240_222_42;
-const Q3: f32 = 5.550_734_3e-2;
-const Q4: f32 = 9.671_514e-3;
-const Q5: f32 = 1.326_460_5e-3;
-/// `log2(e)` split in two f32 (`LOG2E` rounded, then the rest) so that `x log2(e)` keeps
-/// ~48 bits.
-const LOG2E_HI: f32 = LOG2E;
-const LOG2E_LO: f32 = 1.925_963e-8;
-
-/// `exp(x)` for `x <= 0`, `-inf` or NaN (what the softmax feeds it: a score minus its row
-/// maximum), 8 lanes, as `2^n 2^r` with `n = round(x log2(e))`: fewer multiply-adds than
-/// the general exponential (the two FMA pipes are what the attention products need too).
-/// - the rounding is the "magic number" addition, whose low bits also hold `n`, so `2^n`
-///   is applied with an integer shift and add to the exponent field (no multiply);
-/// - one compare flushes inputs below -87 to exactly 0 (no denormal reaches a product);
-///   NaN inputs come out NaN.
+/// `2^x` for `x <= 0`, `-inf` or NaN (what the softmax feeds it: a score minus its row
+/// maximum, in base-2 units), 8 lanes, as `2^n 2^r` with `n = round(x)`:
+/// - the rounding is the [`MAGIC`] addition, whose low bits also hold `n`, so `2^n` is
+///   applied with an integer shift and add to the exponent field (no multiply);
+/// - one compare flushes inputs below -125 to exactly 0; NaN inputs come out NaN.
 ///
-/// Within 4 ulp of `f32::exp` (test `vector_exp_matches_std_flushes_and_keeps_nan`).
+/// Five multiply-adds per vector (the two FMA pipes are what the attention products need
+/// too). Within 4 ulp of `f32::exp2` (test `vector_exp2_matches_std_flushes_and_keeps_nan`).
 #[cfg(target_arch = "x86_64")]
 #[inline]
 #[target_feature(enable = "avx2,fma")]
-unsafe fn exp_nonpositive_avx2(x: __m256) -> __m256 {
-    // 1.5 * 2^23: `x log2(e) + MAGIC` is an f32 in [2^23, 2^24) whose mantissa holds
-    // `2^22 + n`, so its bits shifted left by 23 are `n << 23` (|n| <= 126 for the lanes
-    // kept; the rest shifts out).
-    const MAGIC: f32 = 12_582_912.0;
-    let keep = _mm256_cmp_ps::<_CMP_GE_OQ>(x, _mm256_set1_ps(EXP_FLUSH));
-    let t = _mm256_fmadd_ps(x, _mm256_set1_ps(LOG2E_HI), _mm256_set1_ps(MAGIC));
+unsafe fn exp2_nonpositive_avx2(x: __m256) -> __m256 {
+    let keep = _mm256_cmp_ps::<_CMP_GE_OQ>(x, _mm256_set1_ps(EXP2_FLUSH));
+    // t's mantissa holds `2^22 + n`, so its bits shifted left by 23 are `n << 23` (|n| <=
+    // 125 for the lanes kept; the rest shifts out).
+    let t = _mm256_add_ps(x, _mm256_set1_ps(MAGIC));
     let n = _mm256_sub_ps(t, _mm256_set1_ps(MAGIC));
-    // r = x log2(e) - n in [-0.5, 0.5]
-    let r = _mm256_fmsub_ps(x, _mm256_set1_ps(LOG2E_HI), n);
-    let r = _mm256_fmadd_ps(x, _mm256_set1_ps(LOG2E_LO), r);
+    // r = x - n in [-0.5, 0.5], exact
+    let r = _mm256_sub_ps(x, n);
     let mut y = _mm256_fmadd_ps(_mm256_set1_ps(Q5), r, _mm256_set1_ps(Q4));
     y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(Q3));
     y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(Q2));
     y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(Q1));
     y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(1.0));
-    // y * 2^n: n added to the exponent field. For the lanes kept the result is a normal
-    // f32 (n = -126 only for x log2(e) in [-125.52, -125.5), where y > 1).
+    // y * 2^n: n added to the exponent field. For the lanes kept, y is in [0.7, 1.42] and
+    // n >= -125, so the result is a normal f32.
     let e = _mm256_castsi256_ps(_mm256_add_epi32(
         _mm256_castps_si256(y),
         _mm256_slli_epi32::<23>(_mm256_castps_si256(t)),
@@ -311,9 +302,20 @@ unsafe fn exp_nonpositive_avx2(x: __m256) -> __m256 {
     _mm256_max_ps(_mm256_and_ps(e, keep), x)
 }
 
+/// Lanes `0..n` set (all for `n >= 8`), for masked loads and stores.
+#[cfg(target_arch = "x86_64")]
+#[inline]
+#[target_feature(enable = "avx2")]
+unsafe fn first_lanes(n: usize) -> __m256i {
+    _mm256_cmpgt_epi32(
+        _mm256_set1_epi32(n.min(8) as i32),
+        _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7),
+    )
+}
+
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx2,fma")]
-unsafe fn exp_shifted_sum_avx2(x: &mut [f32], m: f32) -> f32 {
+unsafe fn exp2_shifted_sum_avx2(x: &mut [f32], m: f32) -> f32 {
     let n = x.len();
     let p = x.as_mut_ptr();
     let vm = _mm256_set1_ps(m);
@@ -321,30 +323,27 @@ unsafe fn exp_shifted_sum_avx2(x: &mut [f32], m: f32) -> f32 {
     let mut acc1 = _mm256_setzero_ps();
     let mut i = 0;
     while i + 16 <= n {
-        let e0 = exp_nonpositive_avx2(_mm256_sub_ps(_mm256_loadu_ps(p.add(i)), vm));
-        let e1 = exp_nonpositive_avx2(_mm256_sub_ps(_mm256_loadu_ps(p.add(i + 8)), vm));
+        let e0 = exp2_nonpositive_avx2(_mm256_sub_ps(_mm256_loadu_ps(p.add(i)), vm));
+        let e1 = exp2_nonpositive_avx2(_mm256_sub_ps(_mm256_loadu_ps(p.add(i + 8)), vm));
         _mm256_storeu_ps(p.add(i), e0);
         _mm256_storeu_ps(p.add(i + 8), e1);
         acc0 = _mm256_add_ps(acc0, e0);
         acc1 = _mm256_add_ps(acc1, e1);
         i += 16;
     }
-    if i + 8 <= n {
-        let e = exp_nonpositive_avx2(_mm256_sub_ps(_mm256_loadu_ps(p.add(i)), vm));
-        _mm256_storeu_ps(p.add(i), e);
-        acc0 = _mm256_add_ps(acc0, e);
+    while i < n {
+        // The last (up to 15) elements with masked loads and stores, so that every element
+        // goes through the same vector code.
+        let mask = first_lanes(n - i);
+        let v = _mm256_maskload_ps(p.add(i), mask);
+        let e = exp2_nonpositive_avx2(_mm256_sub_ps(v, vm));
+        _mm256_maskstore_ps(p.add(i), mask, e);
+        acc0 = _mm256_add_ps(acc0, _mm256_and_ps(e, _mm256_castsi256_ps(mask)));
         i += 8;
     }
     let mut lanes = [0f32; 8];
     _mm256_storeu_ps(lanes.as_mut_ptr(), _mm256_add_ps(acc0, acc1));
-    let mut sum = lanes.iter().sum::<f32>();
-    while i < n {
-        let e = exp(*p.add(i) - m);
-        *p.add(i) = e;
-        sum += e;
-        i += 1;
-    }
-    sum
+    lanes.iter().sum::<f32>()
 }
 
 #[cfg(target_arch = "x86_64")]
@@ -372,30 +371,39 @@ unsafe fn row_max_avx2(x: &[f32]) -> f32 {
 mod tests {
     use super::*;
 
-    #[test]
-    fn exp_matches_std_within_a_few_ulp() {
-        let mut x: Vec<f32> = (-8700..=0).map(|i| i as f32 * 0.01).collect();
-        x.extend([-86.99f32, -50.5, -1e-7, 0.0, 3.5, 80.0]);
-        for &v in &x {
-            let e = exp(v);
-            let r = v.exp();
-            assert!(
-                (e - r).abs() <= 4.0 * f32::EPSILON * r,
-                "exp({v}) = {e}, std {r}"
-            );
-        }
-        assert_eq!(exp(0.0), 1.0);
-        assert_eq!(exp(f32::NEG_INFINITY), 0.0);
-        assert_eq!(exp(-1e4), 0.0);
-        assert!(exp(f32::NAN).is_nan());
+    /// `got` within 4 ulp of `2^x` computed in f64, and a normal f32.
+    fn assert_exp2_close(x: f32, got: f32) {
+        let want = (x as f64).exp2();
+        assert!(
+            (got as f64 - want).abs() <= 4.0 * f32::EPSILON as f64 * want
+                && got >= f32::MIN_POSITIVE,
+            "2^{x} = {got}, f64 {want}"
+        );
     }
 
     #[test]
-    fn vector_exp_matches_std_flushes_and_keeps_nan() {
+    fn exp2_matches_f64_within_a_few_ulp() {
+        let mut x: Vec<f32> = (-12_500..=12_700).map(|i| i as f32 * 0.01).collect();
+        x.extend([-124.99f32, -50.5, -0.5, 0.5, -1e-7, 0.0, 127.9]);
+        for &v in &x {
+            assert_exp2_close(v, exp2(v));
+        }
+        assert_eq!(exp2(0.0), 1.0);
+        assert_eq!(exp2(-3.0), 0.125);
+        assert_eq!(exp2(-125.01), 0.0);
+        assert_eq!(exp2(f32::NEG_INFINITY), 0.0);
+        assert_eq!(exp2(-1e4), 0.0);
+        assert_eq!(exp2(128.0), f32::INFINITY);
+        assert_eq!(exp2(f32::INFINITY), f32::INFINITY);
+        assert!(exp2(f32::NAN).is_nan());
+    }
+
+    #[test]
+    fn vector_exp2_matches_std_flushes_and_keeps_nan() {
         // Shifted scores x - m over the whole range the softmax sees, past the flush point,
         // with -inf (masked) and NaN lanes at positions of both vector halves and the tail.
-        let mut x: Vec<f32> = (0..=9000).map(|i| -(i as f32) * 0.01).collect();
-        x.extend([-86.99, -87.0, -87.01, -100.0, -1e-7, f32::NEG_INFINITY]);
+        let mut x: Vec<f32> = (0..=13_000).map(|i| -(i as f32) * 0.01).collect();
+        x.extend([-124.99, -125.0, -125.01, -200.0, -1e-7, f32::NEG_INFINITY]);
         x[3] = f32::NAN;
         x[12] = f32::NEG_INFINITY;
         let n = x.len();
@@ -404,18 +412,36 @@ mod tests {
         x[20] = f32::from_bits(0x7FC0_01FF);
         x[n - 20] = f32::from_bits(0xFFC0_0101);
         let mut e = x.clone();
-        let sum = exp_shifted_sum(&mut e, 0.0);
+        let sum = exp2_shifted_sum(&mut e, 0.0);
         assert!(sum.is_nan());
         for (&v, &got) in x.iter().zip(&e) {
             if v.is_nan() {
-                assert!(got.is_nan(), "exp(NaN) = {got}");
-            } else if v < EXP_FLUSH {
-                assert_eq!(got, 0.0, "exp({v}) must flush to 0");
+                assert!(got.is_nan(), "2^NaN = {got}");
+            } else if v < EXP2_FLUSH {
+                assert_eq!(got, 0.0, "2^{v} must flush to 0");
             } else {
-                let r = v.exp();
-                assert!(
-                    (got - r).abs() <= 4.0 * f32::EPSILON * r && got >= f32::MIN_POSITIVE,
-                    "exp({v}) = {got}, std {r}"
+                assert_exp2_close(v, got);
+            }
+        }
+        // Every length, so that each tail (masked lanes) is covered: the sum counts only
+        // the row's own elements and nothing past the row is written.
+        for len in 0..40 {
+            let mut buf: Vec<f32> = (0..48).map(|i| -(i as f32) * 0.25).collect();
+            let want: Vec<f32> = buf[..len].iter().map(|&v| exp2(v)).collect();
+            let sum = exp2_shifted_sum(&mut buf[..len], 0.0);
+            for (j, (&g, &w)) in buf[..len].iter().zip(&want).enumerate() {
+                assert!((g - w).abs() <= 2.0 * f32::EPSILON * w, "len {len}, at {j}");
+            }
+            let want_sum: f32 = want.iter().sum();
+            assert!(
+                (sum - want_sum).abs() <= 1e-6 * want_sum.max(1.0),
+                "len {len}"
+            );
+            for (j, &v) in buf.iter().enumerate().skip(len) {
+                assert_eq!(
+                    v,
+                    -(j as f32) * 0.25,
+                    "len {len}: wrote past the row at {j}"
                 );
             }
         }
@@ -459,10 +485,10 @@ mod tests {
             let mut v = base.clone();
             v[0] = f32::NEG_INFINITY;
             let mut s = v.clone();
-            let sum = exp_shifted_sum(&mut s, m);
+            let sum = exp2_shifted_sum(&mut s, m);
             let mut ref_sum = 0f32;
             for (j, &x) in v.iter().enumerate() {
-                let r = exp(x - m);
+                let r = exp2(x - m);
                 ref_sum += r;
                 assert!(
                     (s[j] - r).abs() <= 1e-6 * r.max(1e-30),

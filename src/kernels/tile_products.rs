@@ -140,7 +140,7 @@ impl Products<'_> {
         }
     }
 
-    /// Copies the scaled query rows `i0..i0 + n` of head `h` into `qs` (packed products).
+    /// Copies the query rows times [`Problem::score_scale`] `i0..i0 + n` of head `h` into `qs` (packed products).
     pub fn prepare_queries(
         &self,
         p: &Problem<'_>,
@@ -156,17 +156,19 @@ impl Products<'_> {
             if qs.len() < n * dk {
                 return Err(too_small("query"));
             }
+            let scale = p.score_scale();
             for r in 0..n {
                 let src = q.row(r).unwrap_or(&[]);
                 for (d, &x) in qs[r * dk..(r + 1) * dk].iter_mut().zip(src) {
-                    *d = x * p.scale;
+                    *d = x * scale;
                 }
             }
         }
         Ok(())
     }
 
-    /// `s[r * ld + c] = scale * q_{i0 + r} . k_{j0 + c}` for `r < n`, `c < hi - j0`;
+    /// `s[r * ld + c] = score_scale * q_{i0 + r} . k_{j0 + c}` (base-2 units, see
+    /// [`Problem::score_scale`]) for `r < n`, `c < hi - j0`;
     /// `j0` is a multiple of [`Products::key_align`], `qs` comes from
     /// [`Products::prepare_queries`].
     #[allow(clippy::too_many_arguments)]
@@ -194,7 +196,7 @@ impl Products<'_> {
                 let q = p.q.mat(b, h, i0, n, p.dk)?;
                 let k = p.k.mat(b, p.kv_head(h), j0, cols, p.dk)?;
                 let mut sm = MatMut::new(s, 0, n, cols, ld)?;
-                matmul(&mut sm, q, k.t(), false, p.scale, Threads::One)
+                matmul(&mut sm, q, k.t(), false, p.score_scale(), Threads::One)
             }
             Products::Packed(kv) => {
                 let g = kv.local(p, b, h)?;
