@@ -135,16 +135,15 @@ fn task(
     let align = prods.key_align();
     // A tile starts at a multiple of `align` at or before its first key.
     let ld = blocks.k + align;
-    let sizes = [n * ld, n * dv, n, n, prods.q_scratch(p, n)];
+    let sizes = [n * ld, n * dv, n, n];
     with_scratch(sizes.iter().sum(), |buf| {
-        let [s, acc, m, l, qs] = split(buf, sizes);
+        let [s, acc, m, l] = split(buf, sizes);
         if end - first <= blocks.k {
             // One tile: softmax of the whole rows, as the weights kernel does.
             // SAFETY: this task is the only one that handles rows i0..i0+n of head h in b.
             let mut o = unsafe { out.mat_mut(b, h, i0, n, dv)? };
-            return softmax_block(p, prods, &mut o, s, ld, 0, b, h, i0, n, (first, end), qs);
+            return softmax_block(p, prods, &mut o, s, ld, 0, b, h, i0, n, (first, end));
         }
-        prods.prepare_queries(p, b, h, i0, n, qs)?;
         m.fill(f32::NEG_INFINITY);
         l.fill(0.0);
         acc.fill(0.0);
@@ -154,7 +153,7 @@ fn task(
             let hi = (j0 + blocks.k).min(end);
             let lo = first.max(j0);
             // S = scale log2(e) Q K^T for keys j0..hi, (n, hi - j0) at stride ld (base 2)
-            prods.scores(p, b, h, i0, n, (j0, hi), qs, s, ld)?;
+            prods.scores(p, b, h, i0, n, (j0, hi), s, ld)?;
             let (off, cols) = (lo - j0, hi - lo);
             let masked = masked_parts || p.causal_cuts(i0, lo, cols);
             for r in 0..n {

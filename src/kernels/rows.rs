@@ -30,8 +30,7 @@ pub(crate) fn rows_per_block(p: &Problem<'_>, threads: usize) -> usize {
 /// Queries `i0..i0 + n` against keys `first..end` in one go: scores into `s` (row stride
 /// `ld`; key `j` at column `c0 + j - j0`, `j0` = `first` rounded down to the products'
 /// alignment), normalised in place, context `P V` into `o`. Columns of keys before `first`
-/// may hold scores afterwards (callers that return the rows clear them). `qs`: query
-/// scratch of [`Products::q_scratch`] floats.
+/// may hold scores afterwards (callers that return the rows clear them).
 ///
 /// Shared by the weights kernels and the tiled kernel's single-tile case, so that the
 /// paths with and without weights give bit-identical contexts whenever the keys fit in
@@ -49,7 +48,6 @@ pub(crate) fn softmax_block(
     i0: usize,
     n: usize,
     (first, end): (usize, usize),
-    qs: &mut [f32],
 ) -> Result<()> {
     let cols = end - first;
     if cols == 0 {
@@ -67,9 +65,8 @@ pub(crate) fn softmax_block(
             "score rows of {ld} for keys {j0}..{end} at column {c0}"
         )));
     }
-    prods.prepare_queries(p, b, h, i0, n, qs)?;
     // S = scale log2(e) Q K^T, (n, end - j0), in base-2 units: the softmax takes 2^(s - max)
-    prods.scores(p, b, h, i0, n, (j0, end), qs, &mut s[c0..], ld)?;
+    prods.scores(p, b, h, i0, n, (j0, end), &mut s[c0..], ld)?;
     let off = c0 + first - j0;
     let masked =
         p.causal_cuts(i0, first, cols) || p.mask.key_bias.is_some() || p.mask.dense.is_some();
@@ -92,14 +89,13 @@ pub(crate) fn softmax_block(
 }
 
 /// One block: weights of queries `i0..i0 + n` into `w` (`(n, seq_k)`, row-major, every
-/// element written) and their context into `out`; `qs`: [`Products::q_scratch`] floats.
+/// element written) and their context into `out`.
 #[allow(clippy::too_many_arguments)]
 fn block(
     p: &Problem<'_>,
     prods: Products<'_>,
     out: &OutOperand<'_>,
     w: &mut [f32],
-    qs: &mut [f32],
     b: usize,
     h: usize,
     i0: usize,
@@ -116,7 +112,7 @@ fn block(
     let j0 = first / prods.key_align() * prods.key_align();
     // SAFETY: this block is the only one that handles rows i0..i0+n of head h in batch b.
     let mut o = unsafe { out.mat_mut(b, h, i0, n, p.dv)? };
-    softmax_block(p, prods, &mut o, w, sk, j0, b, h, i0, n, (first, end), qs)?;
+    softmax_block(p, prods, &mut o, w, sk, j0, b, h, i0, n, (first, end))?;
     // Keys outside [first, end) are hidden from every query of the block.
     for r in 0..n {
         w[r * sk..r * sk + first].fill(0.0);
@@ -166,9 +162,8 @@ pub(crate) fn attention_with_weights(
                 .enumerate()
                 .try_for_each(|(qb, w)| {
                     let n = w.len() / sk;
-                    with_scratch(n * sk + prods.q_scratch(p, n), |buf| {
-                        let (wb, qs) = buf.split_at_mut(n * sk);
-                        block(p, prods, out, wb, qs, b, h, qb * rows, n)?;
+                    with_scratch(n * sk, |wb| {
+                        block(p, prods, out, wb, b, h, qb * rows, n)?;
                         // Every element of `w` must be written: the caller relies on it.
                         if simd::copy_streaming(w, wb) != w.len() {
                             return Err(Error::Kernel("weights block not fully written".into()));
@@ -251,9 +246,7 @@ pub(crate) fn attention_streamed(
                 .enumerate()
                 .try_for_each(|(i, buf)| {
                     let (h, i0, n) = locate(start + i);
-                    with_scratch(prods.q_scratch(p, n), |qs| {
-                        block(p, prods, out, &mut buf[..n * sk], qs, b, h, i0, n)
-                    })
+                    block(p, prods, out, &mut buf[..n * sk], b, h, i0, n)
                 })?;
             for (i, buf) in buffers[..count].iter().enumerate() {
                 let (h, i0, n) = locate(start + i);

@@ -2,10 +2,12 @@
 //! two ways:
 //! - [`Products::Packed`] (CPUs with AVX-512 or AVX2 + FMA): K and V packed once per call (or
 //!   per key/value head for long sequences, to keep memory low) into the panels of the
-//!   micro-kernels — K^T in panels of 48 keys, V in panels of 64 value columns — and the
-//!   scaled query rows copied once per task, so the products stream contiguous panels and
-//!   never repack;
+//!   micro-kernels — K^T times [`Problem::score_scale`] in panels of 48 keys, V in panels of
+//!   64 value columns — so the products read the query rows in place and stream contiguous
+//!   panels, and nothing is repacked;
 //! - [`Products::Strided`] (other CPUs): the `gemm` crate on strided views of Q, K and V.
+
+use std::mem::MaybeUninit;
 
 use rayon::prelude::*;
 
@@ -32,7 +34,8 @@ pub(crate) struct KvPanels {
     nk: usize,
     /// V panels per group.
     nv: usize,
-    /// Group `g`, panel `i`: `(dk, 48)` row-major at `((g * nk + i) * dk) * 48`.
+    /// Group `g`, panel `i`: `(dk, 48)` row-major at `((g * nk + i) * dk) * 48`, times
+    /// [`Problem::score_scale`]; the columns past the last key are 0.
     k: Vec<f32>,
     /// Group `g`, panel `q`: `(seq_k, 64)` row-major at `((g * nv + q) * seq_k) * 64`.
     v: Vec<f32>,
@@ -51,46 +54,63 @@ impl KvPanels {
         let (sk, dk, dv) = (p.seq_k, p.dk, p.dv);
         let nk = sk.div_ceil(KEY_PANEL);
         let nv = dv.div_ceil(V_PANEL);
-        let mut k = vec![0f32; groups * nk * dk * KEY_PANEL];
-        let mut v = vec![0f32; groups * nv * sk * V_PANEL];
         let k_group = nk * dk * KEY_PANEL;
         let v_group = nv * sk * V_PANEL;
-        if k_group > 0 {
-            k.par_chunks_mut(k_group)
-                .enumerate()
-                .try_for_each(|(g, dst)| -> Result<()> {
-                    let (b, kvh) = ((first + g) / p.kv_heads, (first + g) % p.kv_heads);
-                    for i in 0..nk {
-                        let j0 = i * KEY_PANEL;
-                        let n = KEY_PANEL.min(sk - j0);
-                        let keys = p.k.mat(b, kvh, j0, n, dk)?;
-                        let panel = &mut dst[i * dk * KEY_PANEL..(i + 1) * dk * KEY_PANEL];
-                        for j in 0..n {
-                            let row = keys.row(j).unwrap_or(&[]);
-                            for (c, &x) in row.iter().enumerate() {
-                                panel[c * KEY_PANEL + j] = x;
-                            }
+        let scale = p.score_scale();
+        // Every element is written below (padding columns with 0), so the buffers are not
+        // zeroed first.
+        let k = filled(groups * k_group, k_group, |g, dst| {
+            let (b, kvh) = ((first + g) / p.kv_heads, (first + g) % p.kv_heads);
+            // Checks that the head's keys lie inside the buffer.
+            p.k.mat(b, kvh, 0, sk, dk)?;
+            let (src, sr) = (p.k.data, p.k.sr);
+            let head = p.k.offset + b * p.k.sb + kvh * p.k.sh;
+            for (i, panel) in dst.chunks_mut(dk * KEY_PANEL).enumerate() {
+                let j0 = i * KEY_PANEL;
+                let n = KEY_PANEL.min(sk - j0);
+                // Column j of the panel's row c is feature c of key j0 + j. Eight keys at a
+                // time: their rows stay in L1 (a wide key stride maps many rows to the same
+                // cache sets, so all 48 at once would not) and each row c gets 8
+                // contiguous writes.
+                let mut j = 0;
+                while j < KEY_PANEL {
+                    let w = 8.min(KEY_PANEL - j);
+                    let live = w.min(n.saturating_sub(j));
+                    let rows: [&[f32]; 8] = std::array::from_fn(|t| {
+                        let at = head + (j0 + j + t) * sr;
+                        if t < live {
+                            src.get(at..at + dk).unwrap_or(&[])
+                        } else {
+                            &[]
+                        }
+                    });
+                    for (c, out) in panel.chunks_mut(KEY_PANEL).enumerate() {
+                        for (t, d) in out[j..j + w].iter_mut().enumerate() {
+                            d.write(rows[t].get(c).map_or(0.0, |&x| x * scale));
                         }
                     }
-                    Ok(())
-                })?;
-        }
-        if v_group > 0 {
-            v.par_chunks_mut(v_group)
-                .enumerate()
-                .try_for_each(|(g, dst)| -> Result<()> {
-                    let (b, kvh) = ((first + g) / p.kv_heads, (first + g) % p.kv_heads);
-                    let values = p.v.mat(b, kvh, 0, sk, dv)?;
-                    for j in 0..sk {
-                        let row = values.row(j).unwrap_or(&[]);
-                        for (q, chunk) in row.chunks(V_PANEL).enumerate() {
-                            let at = (q * sk + j) * V_PANEL;
-                            dst[at..at + chunk.len()].copy_from_slice(chunk);
-                        }
+                    j += w;
+                }
+            }
+            Ok(())
+        })?;
+        let v = filled(groups * v_group, v_group, |g, dst| {
+            let (b, kvh) = ((first + g) / p.kv_heads, (first + g) % p.kv_heads);
+            let values = p.v.mat(b, kvh, 0, sk, dv)?;
+            for (q, panel) in dst.chunks_mut(sk * V_PANEL).enumerate() {
+                let (c0, width) = (q * V_PANEL, V_PANEL.min(dv - q * V_PANEL));
+                for (j, row) in panel.chunks_mut(V_PANEL).enumerate() {
+                    let src = values.row(j).unwrap_or(&[]);
+                    for (d, &x) in row.iter_mut().zip(&src[c0..c0 + width]) {
+                        d.write(x);
                     }
-                    Ok(())
-                })?;
-        }
+                    for d in &mut row[width..] {
+                        d.write(0.0);
+                    }
+                }
+            }
+            Ok(())
+        })?;
         Ok(Self {
             first,
             groups,
@@ -119,6 +139,26 @@ pub(crate) enum Products<'a> {
     Strided,
 }
 
+/// A vector of `n` floats whose chunks of `chunk` are written in parallel by `fill(index,
+/// chunk)`, which must write every element of its chunk.
+fn filled(
+    n: usize,
+    chunk: usize,
+    fill: impl Fn(usize, &mut [MaybeUninit<f32>]) -> Result<()> + Sync,
+) -> Result<Vec<f32>> {
+    let mut out: Vec<f32> = Vec::with_capacity(n);
+    if chunk > 0 {
+        out.spare_capacity_mut()[..n]
+            .par_chunks_mut(chunk)
+            .enumerate()
+            .try_for_each(|(g, dst)| fill(g, dst))?;
+    }
+    // SAFETY: every chunk was written in full by `fill` (its contract; the callers' loops
+    // cover each panel's keys and padding), and `n` is within the capacity.
+    unsafe { out.set_len(n) };
+    Ok(out)
+}
+
 fn too_small(what: &str) -> Error {
     Error::Kernel(format!("{what} buffer too small for its tile"))
 }
@@ -132,45 +172,9 @@ impl Products<'_> {
         }
     }
 
-    /// Floats of per-task query scratch for `n` rows.
-    pub fn q_scratch(&self, p: &Problem<'_>, n: usize) -> usize {
-        match self {
-            Products::Packed(_) => n * p.dk,
-            Products::Strided => 0,
-        }
-    }
-
-    /// Copies the query rows times [`Problem::score_scale`] `i0..i0 + n` of head `h` into `qs` (packed products).
-    pub fn prepare_queries(
-        &self,
-        p: &Problem<'_>,
-        b: usize,
-        h: usize,
-        i0: usize,
-        n: usize,
-        qs: &mut [f32],
-    ) -> Result<()> {
-        if let Products::Packed(_) = self {
-            let dk = p.dk;
-            let q = p.q.mat(b, h, i0, n, dk)?;
-            if qs.len() < n * dk {
-                return Err(too_small("query"));
-            }
-            let scale = p.score_scale();
-            for r in 0..n {
-                let src = q.row(r).unwrap_or(&[]);
-                for (d, &x) in qs[r * dk..(r + 1) * dk].iter_mut().zip(src) {
-                    *d = x * scale;
-                }
-            }
-        }
-        Ok(())
-    }
-
     /// `s[r * ld + c] = score_scale * q_{i0 + r} . k_{j0 + c}` (base-2 units, see
     /// [`Problem::score_scale`]) for `r < n`, `c < hi - j0`;
-    /// `j0` is a multiple of [`Products::key_align`], `qs` comes from
-    /// [`Products::prepare_queries`].
+    /// `j0` is a multiple of [`Products::key_align`].
     #[allow(clippy::too_many_arguments)]
     pub fn scores(
         &self,
@@ -180,7 +184,6 @@ impl Products<'_> {
         i0: usize,
         n: usize,
         (j0, hi): (usize, usize),
-        qs: &[f32],
         s: &mut [f32],
         ld: usize,
     ) -> Result<()> {
@@ -201,9 +204,12 @@ impl Products<'_> {
             Products::Packed(kv) => {
                 let g = kv.local(p, b, h)?;
                 let dk = kv.dk;
-                if j0 % KEY_PANEL != 0 || qs.len() < n * dk {
-                    return Err(Error::Kernel("unaligned or unprepared score tile".into()));
+                if j0 % KEY_PANEL != 0 {
+                    return Err(Error::Kernel("unaligned score tile".into()));
                 }
+                // The query rows in place (the scale is in the K panels).
+                let q = p.q.mat(b, h, i0, n, dk)?;
+                let (qp, lda) = (q.ptr(), q.rs);
                 let mut j = j0;
                 while j < hi {
                     let i = j / KEY_PANEL;
@@ -220,16 +226,17 @@ impl Products<'_> {
                     let panel =
                         kv.k.get(at..at + dk * KEY_PANEL)
                             .ok_or_else(|| too_small("key panel"))?;
-                    // SAFETY: the micro-kernels run (the panels exist only then); qs holds
-                    // n rows of dk floats, the panel dk x 48, and s n rows of at least
-                    // `j - j0 + width` columns at stride ld (checked above), distinct buffers;
-                    // rows r0..n of each are a part of them (r0 < n).
+                    // SAFETY: the micro-kernels run (the panels exist only then); `q` views n
+                    // rows of dk floats at stride lda (checked by `mat`), the panel holds
+                    // dk x 48, and s n rows of at least `j - j0 + width` columns at stride ld
+                    // (checked above); s is a distinct buffer; rows r0..n of each are a part
+                    // of them (r0 < n).
                     unsafe {
                         panel_product::<KEY_PANEL>(
                             n - r0,
                             dk,
-                            qs.as_ptr().add(r0 * dk),
-                            dk,
+                            qp.add(r0 * lda),
+                            lda,
                             panel.as_ptr(),
                             width,
                             s.as_mut_ptr().add(r0 * ld + j - j0),
