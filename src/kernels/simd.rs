@@ -102,8 +102,35 @@ pub(crate) fn row_max(x: &[f32]) -> f32 {
 /// `x[j] = 2^(x[j] - m)` for every `j`; returns the sum of the new values. `m` must be
 /// finite and at least every `x[j]` (the softmax's row maximum, in base-2 units).
 pub(crate) fn exp2_shifted_sum(x: &mut [f32], m: f32) -> f32 {
-    match isa() {
-        // SAFETY: the CPU has the features these functions are compiled for (checked above).
+    // SAFETY: `isa()` is what this CPU has.
+    unsafe { exp2_shifted_sum_on(isa(), x, m) }
+}
+
+/// Every instruction set this CPU runs (the one [`isa`] picks and the ones below it), so
+/// the tests cover each version on any machine.
+#[cfg(test)]
+fn supported_isas() -> Vec<Isa> {
+    let mut all = vec![Isa::Scalar];
+    #[cfg(target_arch = "x86_64")]
+    {
+        if is_x86_feature_detected!("avx2") && is_x86_feature_detected!("fma") {
+            all.push(Isa::Avx2);
+        }
+        if is_x86_feature_detected!("avx512f") {
+            all.push(Isa::Avx512);
+        }
+    }
+    all
+}
+
+/// [`exp2_shifted_sum`] with the given instruction set.
+///
+/// # Safety
+/// The CPU supports `isa`.
+unsafe fn exp2_shifted_sum_on(isa: Isa, x: &mut [f32], m: f32) -> f32 {
+    match isa {
+        // SAFETY: the CPU has the features these functions are compiled for (the caller's
+        // contract).
         #[cfg(target_arch = "x86_64")]
         Isa::Avx512 => unsafe { exp2_shifted_sum_avx512(x, m) },
         #[cfg(target_arch = "x86_64")]
@@ -411,38 +438,45 @@ mod tests {
         // NaNs with payload bits low in the mantissa (they must not leak into the exponent).
         x[20] = f32::from_bits(0x7FC0_01FF);
         x[n - 20] = f32::from_bits(0xFFC0_0101);
-        let mut e = x.clone();
-        let sum = exp2_shifted_sum(&mut e, 0.0);
-        assert!(sum.is_nan());
-        for (&v, &got) in x.iter().zip(&e) {
-            if v.is_nan() {
-                assert!(got.is_nan(), "2^NaN = {got}");
-            } else if v < EXP2_FLUSH {
-                assert_eq!(got, 0.0, "2^{v} must flush to 0");
-            } else {
-                assert_exp2_close(v, got);
+        for isa in supported_isas() {
+            let mut e = x.clone();
+            // SAFETY: the CPU supports every ISA `supported_isas` lists.
+            let sum = unsafe { exp2_shifted_sum_on(isa, &mut e, 0.0) };
+            assert!(sum.is_nan(), "{isa:?}");
+            for (&v, &got) in x.iter().zip(&e) {
+                if v.is_nan() {
+                    assert!(got.is_nan(), "{isa:?}: 2^NaN = {got}");
+                } else if v < EXP2_FLUSH {
+                    assert_eq!(got, 0.0, "{isa:?}: 2^{v} must flush to 0");
+                } else {
+                    assert_exp2_close(v, got);
+                }
             }
-        }
-        // Every length, so that each tail (masked lanes) is covered: the sum counts only
-        // the row's own elements and nothing past the row is written.
-        for len in 0..40 {
-            let mut buf: Vec<f32> = (0..48).map(|i| -(i as f32) * 0.25).collect();
-            let want: Vec<f32> = buf[..len].iter().map(|&v| exp2(v)).collect();
-            let sum = exp2_shifted_sum(&mut buf[..len], 0.0);
-            for (j, (&g, &w)) in buf[..len].iter().zip(&want).enumerate() {
-                assert!((g - w).abs() <= 2.0 * f32::EPSILON * w, "len {len}, at {j}");
-            }
-            let want_sum: f32 = want.iter().sum();
-            assert!(
-                (sum - want_sum).abs() <= 1e-6 * want_sum.max(1.0),
-                "len {len}"
-            );
-            for (j, &v) in buf.iter().enumerate().skip(len) {
-                assert_eq!(
-                    v,
-                    -(j as f32) * 0.25,
-                    "len {len}: wrote past the row at {j}"
+            // Every length, so that each tail (masked lanes) is covered: the sum counts
+            // only the row's own elements and nothing past the row is written.
+            for len in 0..40 {
+                let mut buf: Vec<f32> = (0..48).map(|i| -(i as f32) * 0.25).collect();
+                let want: Vec<f32> = buf[..len].iter().map(|&v| exp2(v)).collect();
+                // SAFETY: as above.
+                let sum = unsafe { exp2_shifted_sum_on(isa, &mut buf[..len], 0.0) };
+                for (j, (&g, &w)) in buf[..len].iter().zip(&want).enumerate() {
+                    assert!(
+                        (g - w).abs() <= 2.0 * f32::EPSILON * w,
+                        "{isa:?}: len {len}, at {j}"
+                    );
+                }
+                let want_sum: f32 = want.iter().sum();
+                assert!(
+                    (sum - want_sum).abs() <= 1e-6 * want_sum.max(1.0),
+                    "{isa:?}: len {len}"
                 );
+                for (j, &v) in buf.iter().enumerate().skip(len) {
+                    assert_eq!(
+                        v,
+                        -(j as f32) * 0.25,
+                        "{isa:?}: len {len}: wrote past the row at {j}"
+                    );
+                }
             }
         }
     }
