@@ -39,6 +39,20 @@ const Q3: f32 = 5.550_734_3e-2;
 const Q4: f32 = 9.671_514e-3;
 const Q5: f32 = 1.326_460_5e-3;
 
+/// `2^r` by the fit above in Horner form, with the given vector multiply-add and splat:
+/// the AVX2 and AVX-512 versions evaluate the same polynomial in the same order.
+#[cfg(target_arch = "x86_64")]
+macro_rules! pow2_fraction {
+    ($fmadd:ident, $splat:ident, $r:expr) => {{
+        let r = $r;
+        let y = $fmadd($splat(Q5), r, $splat(Q4));
+        let y = $fmadd(y, r, $splat(Q3));
+        let y = $fmadd(y, r, $splat(Q2));
+        let y = $fmadd(y, r, $splat(Q1));
+        $fmadd(y, r, $splat(1.0))
+    }};
+}
+
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 enum Isa {
     #[cfg(target_arch = "x86_64")]
@@ -226,11 +240,7 @@ unsafe fn exp2_avx512(x: __m512) -> __m512 {
     let n = _mm512_roundscale_ps::<{ _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC }>(x);
     // r = x - n in [-0.5, 0.5], exact
     let r = _mm512_sub_ps(x, n);
-    let mut y = _mm512_fmadd_ps(_mm512_set1_ps(Q5), r, _mm512_set1_ps(Q4));
-    y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(Q3));
-    y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(Q2));
-    y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(Q1));
-    y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(1.0));
+    let y = pow2_fraction!(_mm512_fmadd_ps, _mm512_set1_ps, r);
     _mm512_maskz_mov_ps(!flush, _mm512_scalef_ps(y, n))
 }
 
@@ -312,11 +322,7 @@ unsafe fn exp2_nonpositive_avx2(x: __m256) -> __m256 {
     let n = _mm256_sub_ps(t, _mm256_set1_ps(MAGIC));
     // r = x - n in [-0.5, 0.5], exact
     let r = _mm256_sub_ps(x, n);
-    let mut y = _mm256_fmadd_ps(_mm256_set1_ps(Q5), r, _mm256_set1_ps(Q4));
-    y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(Q3));
-    y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(Q2));
-    y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(Q1));
-    y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(1.0));
+    let y = pow2_fraction!(_mm256_fmadd_ps, _mm256_set1_ps, r);
     // y * 2^n: n added to the exponent field. For the lanes kept, y is in [0.7, 1.42] and
     // n >= -125, so the result is a normal f32.
     let e = _mm256_castsi256_ps(_mm256_add_epi32(
