@@ -180,8 +180,8 @@ impl Problem<'_> {
         (first, end)
     }
 
-    /// Applies the mask (in base-2 units) to scores `row` of query `i` (batch `b`, head `h`) for keys
-    /// `j0..j0 + row.len()`.
+    /// Applies the mask (in base-2 units) to scores `row` of query `i` (batch `b`, head
+    /// `h`) for keys `j0..j0 + row.len()`.
     pub fn mask_row(&self, row: &mut [f32], b: usize, h: usize, i: usize, j0: usize) -> Result<()> {
         if let Some(kb) = self.mask.key_bias {
             let start = b * self.seq_k + j0;
