@@ -8,6 +8,14 @@
 //! computed) and mask only the tiles that cross it; padding ranges skip the padded keys.
 //! When the keys fit in one tile (up to 512) the task computes the whole softmax at once,
 //! with the same code as the weights kernel, so both paths give the same bits.
+//!
+//! Each row's running reference is an integer (the first tile's maximum, rounded up) that
+//! moves only when a tile's scores rise more than [`LAZY_HEADROOM`] above it (on a tile that
+//! a mask cuts, as soon as they rise above it). So the rescaling factor is an exact power of
+//! two and almost never needed, and an unmasked tile takes one pass per row
+//! ([`simd::exp2_shifted_sum_bounded`]: the powers, their sum and the bounds together)
+//! instead of a maximum pass, a power pass and a rescaling of the accumulator. A row the
+//! one pass refuses has its scores computed again and takes the full path.
 
 use std::ops::Range;
 
@@ -24,6 +32,12 @@ use crate::error::Result;
 /// Rows per product on a tile that crosses the causal diagonal (a multiple of the
 /// micro-kernels' 4 and 6 rows).
 const DIAGONAL_ROWS: usize = 24;
+
+/// How far (base-2 units) a tile's scores may rise above a row's reference before the
+/// reference moves: the tiles in between add weights of up to `2^8 = 256` instead of 1,
+/// which f32 carries with the same relative precision, and the accumulator is rescaled
+/// only when a row's scores jump by more (rare after the first tile).
+const LAZY_HEADROOM: f32 = 8.0;
 
 /// Packed K and V above this size are packed one key/value head at a time (the heads then
 /// run one after the other, each with all threads), so memory stays linear and small.
@@ -157,28 +171,48 @@ fn task(
             let (off, cols) = (lo - j0, hi - lo);
             let masked = masked_parts || p.causal_cuts(i0, lo, cols);
             for r in 0..n {
+                if !masked {
+                    let row = &mut s[r * ld + off..r * ld + off + cols];
+                    if m[r] == f32::NEG_INFINITY {
+                        // The row's first tile: the reference is its maximum, rounded up.
+                        let tile_max = simd::row_max(row);
+                        if tile_max > m[r] {
+                            m[r] = tile_max.ceil();
+                        }
+                    }
+                    // One pass, unless the row outgrew its reference.
+                    if m[r].is_finite() {
+                        if let Some(sum) = simd::exp2_shifted_sum_bounded(row, m[r], LAZY_HEADROOM)
+                        {
+                            l[r] += sum;
+                            continue;
+                        }
+                        // The pass overwrote the row: its scores again, for the full pass.
+                        prods.scores(p, b, h, i0 + r, 1, (j0, hi), &mut s[r * ld..], ld)?;
+                    }
+                }
                 let row = &mut s[r * ld + off..r * ld + off + cols];
                 if masked {
                     p.mask_row(row, b, h, i0 + r, lo)?;
                 }
-                let m_old = m[r];
-                let m_new = m_old.max(simd::row_max(row));
-                if m_new == f32::NEG_INFINITY {
+                let tile_max = simd::row_max(row);
+                if tile_max > m[r] {
+                    // A new reference: the next integer up, so the rescaling factor is a
+                    // power of two (exact) and the bounded pass can take it.
+                    let m_new = tile_max.ceil();
+                    if m[r] != f32::NEG_INFINITY {
+                        let alpha = simd::exp2(m[r] - m_new);
+                        l[r] *= alpha;
+                        simd::scale(&mut acc[r * dv..(r + 1) * dv], alpha);
+                    }
+                    m[r] = m_new;
+                }
+                if m[r] == f32::NEG_INFINITY {
                     // Every key so far is hidden from this query: nothing to add.
                     row.fill(0.0);
                     continue;
                 }
-                let alpha = if m_old == f32::NEG_INFINITY {
-                    0.0
-                } else {
-                    simd::exp2(m_old - m_new)
-                };
-                let sum = simd::exp2_shifted_sum(row, m_new);
-                l[r] = l[r] * alpha + sum;
-                m[r] = m_new;
-                if alpha != 1.0 {
-                    simd::scale(&mut acc[r * dv..(r + 1) * dv], alpha);
-                }
+                l[r] += simd::exp2_shifted_sum(row, m[r]);
             }
             // acc += P V, (n, dv); on a tile that crosses the causal diagonal, by groups of
             // rows, each over the keys its last row can see (the weights past them are 0).

@@ -178,6 +178,76 @@ mod tests {
         }
     }
 
+    /// The tiled, weights and streaming kernels with both product implementations against
+    /// the f64 reference, on the given inputs.
+    fn check(c: &Case, q: &[f32], k: &[f32], v: &[f32], what: &str) -> Result<()> {
+        let scale = 1.0 / (c.dk as f64).sqrt();
+        let (want_ctx, want_w) = reference(c, q, k, v, scale);
+        let op = |data, s, h, d| Operand {
+            data,
+            offset: 0,
+            sb: h * s * d,
+            sh: s * d,
+            sr: d,
+        };
+        let p = Problem {
+            batch: c.b,
+            heads: c.h,
+            kv_heads: c.kvh,
+            seq_q: c.sq,
+            seq_k: c.sk,
+            dk: c.dk,
+            dv: c.dv,
+            q: op(q, c.sq, c.h, c.dk),
+            k: op(k, c.sk, c.kvh, c.dk),
+            v: op(v, c.sk, c.kvh, c.dv),
+            scale: scale as f32,
+            mask: KernelMask {
+                causal_offset: c.causal,
+                key_range: c.ranges.as_deref(),
+                ..KernelMask::default()
+            },
+        };
+        for packed in [false, microkernel::available()] {
+            let what = format!("{what}, packed {packed}");
+            let mut ctx = vec![f32::NAN; c.b * c.h * c.sq * c.dv];
+            fn out_of<'a>(ctx: &'a mut [f32], c: &Case) -> OutOperand<'a> {
+                OutOperand {
+                    buf: SharedOut::new(ctx),
+                    offset: 0,
+                    sb: c.h * c.sq * c.dv,
+                    sh: c.sq * c.dv,
+                    sr: c.dv,
+                }
+            }
+            flash::attention_tiled(&p, &out_of(&mut ctx, c), packed)?;
+            close(&format!("{what}: tiled context"), &ctx, &want_ctx, 2e-5);
+            let mut w = vec![f32::NAN; want_w.len()];
+            ctx.fill(f32::NAN);
+            let wu = w.as_mut_slice();
+            // SAFETY: f32 -> MaybeUninit<f32> is always sound (same layout).
+            let wu = unsafe { &mut *(wu as *mut [f32] as *mut [std::mem::MaybeUninit<f32>]) };
+            rows::attention_with_weights(&p, &out_of(&mut ctx, c), wu, packed)?;
+            close(&format!("{what}: weights"), &w, &want_w, 1e-6);
+            close(
+                &format!("{what}: context with weights"),
+                &ctx,
+                &want_ctx,
+                2e-5,
+            );
+            let mut streamed = vec![f32::NAN; want_w.len()];
+            ctx.fill(f32::NAN);
+            rows::attention_streamed(&p, &out_of(&mut ctx, c), packed, &mut |blk| {
+                let at = ((blk.batch * c.h + blk.head) * c.sq + blk.query_start) * c.sk;
+                streamed[at..at + blk.weights.len()].copy_from_slice(blk.weights);
+                Ok(())
+            })?;
+            assert_eq!(streamed, w, "{what}: streamed weights");
+            close(&format!("{what}: streamed context"), &ctx, &want_ctx, 2e-5);
+        }
+        Ok(())
+    }
+
     #[test]
     fn both_products_in_every_kernel_equal_the_definition() -> Result<()> {
         let cases = [
@@ -230,71 +300,42 @@ mod tests {
             let q = values(c.b * c.h * c.sq * c.dk, 1 + n as u64);
             let k = values(c.b * c.kvh * c.sk * c.dk, 2 + n as u64);
             let v = values(c.b * c.kvh * c.sk * c.dv, 3 + n as u64);
-            let scale = 1.0 / (c.dk as f64).sqrt();
-            let (want_ctx, want_w) = reference(c, &q, &k, &v, scale);
-            let op = |data, s, h, d| Operand {
-                data,
-                offset: 0,
-                sb: h * s * d,
-                sh: s * d,
-                sr: d,
-            };
-            let p = Problem {
-                batch: c.b,
-                heads: c.h,
-                kv_heads: c.kvh,
-                seq_q: c.sq,
-                seq_k: c.sk,
-                dk: c.dk,
-                dv: c.dv,
-                q: op(&q, c.sq, c.h, c.dk),
-                k: op(&k, c.sk, c.kvh, c.dk),
-                v: op(&v, c.sk, c.kvh, c.dv),
-                scale: scale as f32,
-                mask: KernelMask {
-                    causal_offset: c.causal,
-                    key_range: c.ranges.as_deref(),
-                    ..KernelMask::default()
-                },
-            };
-            for packed in [false, microkernel::available()] {
-                let what = format!("case {n}, packed {packed}");
-                let mut ctx = vec![f32::NAN; c.b * c.h * c.sq * c.dv];
-                fn out_of<'a>(ctx: &'a mut [f32], c: &Case) -> OutOperand<'a> {
-                    OutOperand {
-                        buf: SharedOut::new(ctx),
-                        offset: 0,
-                        sb: c.h * c.sq * c.dv,
-                        sh: c.sq * c.dv,
-                        sr: c.dv,
-                    }
-                }
-                flash::attention_tiled(&p, &out_of(&mut ctx, c), packed)?;
-                close(&format!("{what}: tiled context"), &ctx, &want_ctx, 2e-5);
-                let mut w = vec![f32::NAN; want_w.len()];
-                ctx.fill(f32::NAN);
-                let wu = w.as_mut_slice();
-                // SAFETY: f32 -> MaybeUninit<f32> is always sound (same layout).
-                let wu = unsafe { &mut *(wu as *mut [f32] as *mut [std::mem::MaybeUninit<f32>]) };
-                rows::attention_with_weights(&p, &out_of(&mut ctx, c), wu, packed)?;
-                close(&format!("{what}: weights"), &w, &want_w, 1e-6);
-                close(
-                    &format!("{what}: context with weights"),
-                    &ctx,
-                    &want_ctx,
-                    2e-5,
-                );
-                let mut streamed = vec![f32::NAN; want_w.len()];
-                ctx.fill(f32::NAN);
-                rows::attention_streamed(&p, &out_of(&mut ctx, c), packed, &mut |blk| {
-                    let at = ((blk.batch * c.h + blk.head) * c.sq + blk.query_start) * c.sk;
-                    streamed[at..at + blk.weights.len()].copy_from_slice(blk.weights);
-                    Ok(())
-                })?;
-                assert_eq!(streamed, w, "{what}: streamed weights");
-                close(&format!("{what}: streamed context"), &ctx, &want_ctx, 2e-5);
-            }
+            check(c, &q, &k, &v, &format!("case {n}"))?;
         }
         Ok(())
+    }
+
+    #[test]
+    fn rows_that_outgrow_their_reference_or_span_past_the_flush_point() -> Result<()> {
+        // Every query has a large first feature. Key 300 (second key tile) scores about 240
+        // base-2 units below the others (past the one-pass range of the AVX2 exponential),
+        // key 700 (third tile) about 80 above the rest (far past the lazy headroom): the
+        // tiled kernel must recompute those rows' scores and rescale their accumulators.
+        let c = Case {
+            b: 1,
+            h: 2,
+            kvh: 1,
+            sq: 40,
+            sk: 1100,
+            dk: 8,
+            dv: 16,
+            causal: None,
+            ranges: None,
+        };
+        let mut q = values(c.b * c.h * c.sq * c.dk, 11);
+        let mut k = values(c.b * c.kvh * c.sk * c.dk, 12);
+        let v = values(c.b * c.kvh * c.sk * c.dv, 13);
+        for row in q.chunks_mut(c.dk) {
+            row[0] = 4.0;
+        }
+        k[300 * c.dk] = -120.0;
+        k[700 * c.dk] = 40.0;
+        check(&c, &q, &k, &v, "outgrown rows")?;
+        // Only the low key, and only the high one.
+        k[700 * c.dk] = 0.5;
+        check(&c, &q, &k, &v, "one very low key")?;
+        k[300 * c.dk] = 0.5;
+        k[1000 * c.dk] = 40.0;
+        check(&c, &q, &k, &v, "one very high key in the last tile")
     }
 }

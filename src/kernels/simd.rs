@@ -120,6 +120,61 @@ pub(crate) fn exp2_shifted_sum(x: &mut [f32], m: f32) -> f32 {
     unsafe { exp2_shifted_sum_on(isa(), x, m) }
 }
 
+/// Largest integer reference [`exp2_shifted_sum_bounded`] takes (`|m|`): the fast AVX2
+/// version rounds `x` by adding `MAGIC + 127 - m`, which must stay an integer in
+/// `[2^23, 2^24)`.
+const BOUNDED_REFERENCE: f32 = 1_048_576.0;
+
+/// `x[j] = 2^(x[j] - m)` for every `j` and the sum of the new values, for an integer
+/// reference `m` (`|m| <= 2^20`) that the scores may exceed by up to `limit` (`0 <= limit
+/// <= 126`): the lazy reference of the tiled softmax, which only moves when a row's scores
+/// outgrow it. NaN elements give NaN.
+///
+/// Returns `None` when some `x[j] > m + limit`, or when this CPU's version cannot compute
+/// the row exactly as [`exp2_shifted_sum`] would (the AVX2 version, which needs every
+/// element within `[m - 125, m + 126]`, the range where `2^n` can be applied by an integer
+/// shift and one multiply without flushing); the caller then recomputes the row's scores
+/// and takes [`exp2_shifted_sum`] with a new reference. After `None`, `x` holds
+/// unspecified values.
+///
+/// On AVX2 + FMA this is one pass (the bounds are gathered while the powers are computed,
+/// 10 vector operations per 8 elements against 13 plus a separate maximum pass for
+/// [`row_max`] + [`exp2_shifted_sum`]); elsewhere it is those two passes.
+pub(crate) fn exp2_shifted_sum_bounded(x: &mut [f32], m: f32, limit: f32) -> Option<f32> {
+    // SAFETY: `isa()` is what this CPU has.
+    unsafe { exp2_shifted_sum_bounded_on(isa(), x, m, limit) }
+}
+
+/// [`exp2_shifted_sum_bounded`] with the given instruction set.
+///
+/// # Safety
+/// The CPU supports `isa`.
+unsafe fn exp2_shifted_sum_bounded_on(isa: Isa, x: &mut [f32], m: f32, limit: f32) -> Option<f32> {
+    if !(m.abs() <= BOUNDED_REFERENCE && m.fract() == 0.0 && (0.0..=126.0).contains(&limit)) {
+        return None;
+    }
+    #[cfg(target_arch = "x86_64")]
+    if isa == Isa::Avx2 {
+        // SAFETY: the CPU has AVX2 and FMA (the caller's contract); `m` is an integer with
+        // |m| <= 2^20 (checked above).
+        let (sum, max, min) = unsafe { exp2_in_range_sum_avx2(x, m) };
+        // Every element within [m - 125, m + limit] (NaN elements are not counted in the
+        // bounds; they came out NaN and made the sum NaN).
+        return (x.is_empty() || (min >= m + EXP2_FLUSH && max <= m + limit)).then_some(sum);
+    }
+    let max = match isa {
+        #[cfg(target_arch = "x86_64")]
+        // SAFETY: the CPU has AVX-512F (the caller's contract).
+        Isa::Avx512 => unsafe { row_max_avx512(x) },
+        _ => x.iter().fold(f32::NEG_INFINITY, |a, &b| a.max(b)),
+    };
+    if max > m + limit {
+        return None;
+    }
+    // SAFETY: the caller's contract.
+    Some(unsafe { exp2_shifted_sum_on(isa, x, m) })
+}
+
 /// Every instruction set this CPU runs (the one [`isa`] picks and the ones below it), so
 /// the tests cover each version on any machine.
 #[cfg(test)]
@@ -379,6 +434,91 @@ unsafe fn exp2_shifted_sum_avx2(x: &mut [f32], m: f32) -> f32 {
     lanes.iter().sum::<f32>()
 }
 
+/// `2^(x - m)` for `x` in `[m - 125, m + 126]` and an integer `m`, 8 lanes, given `c =
+/// MAGIC + 127 - m` (exact: `m` is an integer and `|m| <= 2^20`):
+/// - `t = x + c` rounds `x` to an integer `k` (`c` is one, and `t` lies in `[2^23, 2^24)`,
+///   where f32 spacing is 1), so `t - c = k` and `r = x - k` in `[-0.5, 0.5]` are exact;
+/// - `t`'s mantissa holds `2^22 + 127 + n` with `n = k - m` in `[-125, 126]`, so its bits
+///   shifted left by 23 are those of `2^n`, a normal f32, and `2^r 2^n` is one exact
+///   multiply (NaN lanes stay NaN through it).
+///
+/// No compare, mask or flush: lanes outside the range give unspecified values, so callers
+/// check the bounds of the inputs ([`exp2_in_range_sum_avx2`]).
+#[cfg(target_arch = "x86_64")]
+#[inline]
+#[target_feature(enable = "avx2,fma")]
+unsafe fn exp2_in_range_avx2(x: __m256, c: __m256) -> __m256 {
+    let t = _mm256_add_ps(x, c);
+    let r = _mm256_sub_ps(x, _mm256_sub_ps(t, c));
+    let y = pow2_fraction!(_mm256_fmadd_ps, _mm256_set1_ps, r);
+    _mm256_mul_ps(
+        y,
+        _mm256_castsi256_ps(_mm256_slli_epi32::<23>(_mm256_castps_si256(t))),
+    )
+}
+
+/// `x[j] = 2^(x[j] - m)` with [`exp2_in_range_avx2`] in one pass; returns the sum of the new
+/// values and the largest and smallest input (NaN inputs left out of both; `-inf`, `+inf`
+/// for an empty row). The powers are right only if the bounds are within
+/// `[m - 125, m + 126]`.
+///
+/// # Safety
+/// The CPU has AVX2 and FMA; `m` is an integer with `|m| <= 2^20`.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,fma")]
+unsafe fn exp2_in_range_sum_avx2(x: &mut [f32], m: f32) -> (f32, f32, f32) {
+    let n = x.len();
+    let p = x.as_mut_ptr();
+    let c = _mm256_set1_ps(MAGIC + 127.0 - m);
+    let mut sum0 = _mm256_setzero_ps();
+    let mut sum1 = _mm256_setzero_ps();
+    let mut max = _mm256_set1_ps(f32::NEG_INFINITY);
+    let mut min = _mm256_set1_ps(f32::INFINITY);
+    let mut i = 0;
+    while i + 16 <= n {
+        let v0 = _mm256_loadu_ps(p.add(i));
+        let v1 = _mm256_loadu_ps(p.add(i + 8));
+        let e0 = exp2_in_range_avx2(v0, c);
+        let e1 = exp2_in_range_avx2(v1, c);
+        _mm256_storeu_ps(p.add(i), e0);
+        _mm256_storeu_ps(p.add(i + 8), e1);
+        sum0 = _mm256_add_ps(sum0, e0);
+        sum1 = _mm256_add_ps(sum1, e1);
+        // max/min return their second operand when either is NaN: a NaN input leaves
+        // the bounds as they are.
+        max = _mm256_max_ps(v0, _mm256_max_ps(v1, max));
+        min = _mm256_min_ps(v0, _mm256_min_ps(v1, min));
+        i += 16;
+    }
+    while i < n {
+        // The last (up to 15) elements with masked loads and stores; the lanes past the
+        // row count neither in the sum nor in the bounds.
+        let mask = first_lanes(n - i);
+        let live = _mm256_castsi256_ps(mask);
+        let v = _mm256_maskload_ps(p.add(i), mask);
+        let e = exp2_in_range_avx2(v, c);
+        _mm256_maskstore_ps(p.add(i), mask, e);
+        sum0 = _mm256_add_ps(sum0, _mm256_and_ps(e, live));
+        max = _mm256_max_ps(
+            _mm256_blendv_ps(_mm256_set1_ps(f32::NEG_INFINITY), v, live),
+            max,
+        );
+        min = _mm256_min_ps(
+            _mm256_blendv_ps(_mm256_set1_ps(f32::INFINITY), v, live),
+            min,
+        );
+        i += 8;
+    }
+    let mut lanes = [0f32; 8];
+    _mm256_storeu_ps(lanes.as_mut_ptr(), _mm256_add_ps(sum0, sum1));
+    let sum = lanes.iter().sum::<f32>();
+    _mm256_storeu_ps(lanes.as_mut_ptr(), max);
+    let hi = lanes.iter().fold(f32::NEG_INFINITY, |a, &b| a.max(b));
+    _mm256_storeu_ps(lanes.as_mut_ptr(), min);
+    let lo = lanes.iter().fold(f32::INFINITY, |a, &b| a.min(b));
+    (sum, hi, lo)
+}
+
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx2,fma")]
 unsafe fn row_max_avx2(x: &[f32]) -> f32 {
@@ -482,6 +622,112 @@ mod tests {
                         -(j as f32) * 0.25,
                         "{isa:?}: len {len}: wrote past the row at {j}"
                     );
+                }
+            }
+        }
+    }
+
+    /// Whether `isa` has the one-pass version of [`exp2_shifted_sum_bounded`].
+    fn one_pass(isa: Isa) -> bool {
+        #[cfg(target_arch = "x86_64")]
+        {
+            isa == Isa::Avx2
+        }
+        #[cfg(not(target_arch = "x86_64"))]
+        {
+            let _ = isa;
+            false
+        }
+    }
+
+    #[test]
+    fn bounded_exp2_takes_an_integer_reference_and_refuses_what_it_cannot_do_exactly() {
+        // The one-pass AVX2 version reduces `x` itself (no rounding), the others `x - m`
+        // rounded to f32, as `exp2_shifted_sum` does.
+        let close = |isa: Isa, x: f32, m: f32, got: f32| {
+            let d = if one_pass(isa) {
+                x as f64 - m as f64
+            } else {
+                (x - m) as f64
+            };
+            let want = d.exp2();
+            assert!(
+                (got as f64 - want).abs() <= 4.0 * f32::EPSILON as f64 * want,
+                "{isa:?}: 2^({x} - {m}) = {got}, f64 {want}"
+            );
+        };
+        for isa in supported_isas() {
+            // SAFETY (every call below): the CPU supports every ISA `supported_isas` lists.
+            let run = |x: &mut [f32], m: f32, limit: f32| unsafe {
+                exp2_shifted_sum_bounded_on(isa, x, m, limit)
+            };
+            for m in [-300.0f32, -3.0, 0.0, 7.0, 1000.0, 1_048_576.0] {
+                // From the flush point up to the headroom, at steps that are not fractions
+                // of a power of two (every rounding case of the reduction).
+                let x: Vec<f32> = (0..1000)
+                    .map(|i| m - 125.0 + i as f32 * 0.133)
+                    .filter(|&v| v <= m + 8.0)
+                    .collect();
+                let mut e = x.clone();
+                let sum = run(&mut e, m, 8.0).unwrap_or_else(|| panic!("{isa:?}: m {m}"));
+                for (&v, &got) in x.iter().zip(&e) {
+                    close(isa, v, m, got);
+                }
+                let want: f64 = x.iter().map(|&v| (v as f64 - m as f64).exp2()).sum();
+                assert!(
+                    (sum as f64 - want).abs() <= 1e-6 * want,
+                    "{isa:?}: sum {sum} vs {want}"
+                );
+                // Past the headroom: refused.
+                let mut above = x.clone();
+                above[17] = m + 8.5;
+                assert_eq!(run(&mut above, m, 8.0), None, "{isa:?}: m {m}");
+            }
+            // Below the flush point: the AVX2 pass refuses the row; the others flush.
+            let mut low: Vec<f32> = (0..37).map(|i| -(i as f32) * 0.5).collect();
+            low[30] = -400.0;
+            let mut e = low.clone();
+            match run(&mut e, 0.0, 0.0) {
+                None => assert!(one_pass(isa), "{isa:?}"),
+                Some(sum) => {
+                    assert_eq!(e[30], 0.0, "{isa:?}");
+                    let want: f32 = low.iter().map(|&v| exp2(v)).sum();
+                    assert!((sum - want).abs() <= 1e-6 * want, "{isa:?}");
+                }
+            }
+            // NaN elements come out NaN, and so does the sum; the others are right.
+            let mut nan: Vec<f32> = (0..37).map(|i| -(i as f32) * 0.5).collect();
+            nan[5] = f32::NAN;
+            nan[33] = f32::from_bits(0x7FC0_01FF);
+            let mut e = nan.clone();
+            let sum = run(&mut e, 0.0, 0.0).unwrap_or_else(|| panic!("{isa:?}"));
+            assert!(sum.is_nan() && e[5].is_nan() && e[33].is_nan(), "{isa:?}");
+            for (j, (&v, &got)) in nan.iter().zip(&e).enumerate() {
+                if j != 5 && j != 33 {
+                    close(isa, v, 0.0, got);
+                }
+            }
+            // A reference it cannot take leaves the row as it was.
+            for (m, limit) in [(0.5, 0.0), (2e6, 0.0), (f32::NAN, 0.0), (0.0, 127.0)] {
+                let mut e = low.clone();
+                assert_eq!(run(&mut e, m, limit), None, "{isa:?}: {m} {limit}");
+                assert_eq!(e, low);
+            }
+            // Every length: nothing written past the row, the sum counts only the row.
+            for len in 0..40 {
+                let mut buf: Vec<f32> = (0..48).map(|i| -(i as f32) * 0.25).collect();
+                let sum = run(&mut buf[..len], 0.0, 0.0).unwrap_or_else(|| panic!("{len}"));
+                let mut want = 0.0;
+                for (j, &g) in buf[..len].iter().enumerate() {
+                    close(isa, -(j as f32) * 0.25, 0.0, g);
+                    want += g;
+                }
+                assert!(
+                    (sum - want).abs() <= 1e-6 * want.max(1.0),
+                    "{isa:?}: len {len}"
+                );
+                for (j, &v) in buf.iter().enumerate().skip(len) {
+                    assert_eq!(v, -(j as f32) * 0.25, "{isa:?}: len {len}: past the row");
                 }
             }
         }
