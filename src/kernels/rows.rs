@@ -81,7 +81,27 @@ pub(crate) fn softmax_block(
             row.fill(0.0);
             continue;
         }
-        let sum = simd::exp2_shifted_sum(row, m);
+        // The maximum rounded up: an integer reference, which the one-pass power takes
+        // (the weights are the same ratios; the largest power is in (0.5, 1]).
+        let m = m.ceil();
+        let one_pass = if masked {
+            None
+        } else {
+            simd::exp2_shifted_sum_bounded(row, m, 0.0)
+        };
+        let sum = match one_pass {
+            Some(sum) => sum,
+            None => {
+                if !masked {
+                    // The one pass refused the row (scores spanning more than 125 base-2
+                    // units) after overwriting it: its scores again.
+                    let at = c0 + r * ld;
+                    prods.scores(p, b, h, i0 + r, 1, (j0, end), &mut s[at..], ld)?;
+                }
+                simd::exp2_shifted_sum(&mut s[r * ld + off..r * ld + off + cols], m)
+            }
+        };
+        let row = &mut s[r * ld + off..r * ld + off + cols];
         simd::scale(row, 1.0 / sum);
     }
     // context = P V, (n, dv)
