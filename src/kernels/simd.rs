@@ -150,7 +150,9 @@ pub(crate) fn exp2_shifted_sum_bounded(x: &mut [f32], m: f32, limit: f32) -> Opt
 /// # Safety
 /// The CPU supports `isa`.
 unsafe fn exp2_shifted_sum_bounded_on(isa: Isa, x: &mut [f32], m: f32, limit: f32) -> Option<f32> {
-    if !(m.abs() <= BOUNDED_REFERENCE && m.fract() == 0.0 && (0.0..=126.0).contains(&limit)) {
+    // An integer within the range (the conversion truncates; NaN fails the first test).
+    let integer = m.abs() <= BOUNDED_REFERENCE && (m as i32) as f32 == m;
+    if !(integer && (0.0..=126.0).contains(&limit)) {
         return None;
     }
     #[cfg(target_arch = "x86_64")]
