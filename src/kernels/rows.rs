@@ -81,9 +81,7 @@ pub(crate) fn softmax_block(
             row.fill(0.0);
             continue;
         }
-        // The maximum rounded up: an integer reference, which the one-pass power takes
-        // (the weights are the same ratios; the largest power is in (0.5, 1]).
-        let m = m.ceil();
+        // One pass (powers, sum and bounds) where no mask put -inf in the row.
         let one_pass = if masked {
             None
         } else {

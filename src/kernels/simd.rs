@@ -120,26 +120,28 @@ pub(crate) fn exp2_shifted_sum(x: &mut [f32], m: f32) -> f32 {
     unsafe { exp2_shifted_sum_on(isa(), x, m) }
 }
 
-/// Largest integer reference [`exp2_shifted_sum_bounded`] takes (`|m|`): the fast AVX2
-/// version rounds `x` by adding `MAGIC + 127 - m`, which must stay an integer in
-/// `[2^23, 2^24)`.
-const BOUNDED_REFERENCE: f32 = 1_048_576.0;
+/// Largest integer reference that [`exp2_shifted_sum_bounded`] folds into its rounding
+/// constant (`MAGIC + 127 - m` must stay an integer in `[2^23, 2^24)`); other references
+/// are subtracted first.
+const FOLDED_REFERENCE: f32 = 1_048_576.0;
 
-/// `x[j] = 2^(x[j] - m)` for every `j` and the sum of the new values, for an integer
-/// reference `m` (`|m| <= 2^20`) that the scores may exceed by up to `limit` (`0 <= limit
-/// <= 126`): the lazy reference of the tiled softmax, which only moves when a row's scores
-/// outgrow it. NaN elements give NaN.
+/// `x[j] = 2^(x[j] - m)` for every `j` and the sum of the new values, for a finite
+/// reference `m` that the scores may exceed by up to `limit` (`0 <= limit <= 126`): the
+/// row maximum (`limit` 0), or the lazy reference of the tiled softmax, which only moves
+/// when a row's scores outgrow it. NaN elements give NaN.
 ///
 /// Returns `None` when some `x[j] > m + limit`, or when this CPU's version cannot compute
-/// the row exactly as [`exp2_shifted_sum`] would (the AVX2 version, which needs every
-/// element within `[m - 125, m + 126]`, the range where `2^n` can be applied by an integer
-/// shift and one multiply without flushing); the caller then recomputes the row's scores
-/// and takes [`exp2_shifted_sum`] with a new reference. After `None`, `x` holds
-/// unspecified values.
+/// the row as [`exp2_shifted_sum`] would (the AVX2 version needs every `x[j] - m` within
+/// `[-125, 126]`, the range where `2^n` is one shift and one exact multiply, with no
+/// flush); the caller then recomputes the row's scores and takes [`exp2_shifted_sum`].
+/// After `None`, `x` holds unspecified values.
 ///
-/// On AVX2 + FMA this is one pass (the bounds are gathered while the powers are computed,
-/// 10 vector operations per 8 elements against 13 plus a separate maximum pass for
-/// [`row_max`] + [`exp2_shifted_sum`]); elsewhere it is those two passes.
+/// On AVX2 + FMA this is one pass (the bounds are gathered while the powers are computed:
+/// 10-11 vector operations per 8 elements, against 13 plus a maximum pass for [`row_max`]
+/// and [`exp2_shifted_sum`]). For an integer `m` (`|m| <= 2^20`) the reduction takes
+/// `x[j]` itself, so `x[j] - m` is never rounded; otherwise it takes `x[j] - m` rounded to
+/// f32, as [`exp2_shifted_sum`] does (the row maximum then gives exactly 1). Elsewhere it
+/// is the two passes.
 pub(crate) fn exp2_shifted_sum_bounded(x: &mut [f32], m: f32, limit: f32) -> Option<f32> {
     // SAFETY: `isa()` is what this CPU has.
     unsafe { exp2_shifted_sum_bounded_on(isa(), x, m, limit) }
@@ -150,19 +152,29 @@ pub(crate) fn exp2_shifted_sum_bounded(x: &mut [f32], m: f32, limit: f32) -> Opt
 /// # Safety
 /// The CPU supports `isa`.
 unsafe fn exp2_shifted_sum_bounded_on(isa: Isa, x: &mut [f32], m: f32, limit: f32) -> Option<f32> {
-    // An integer within the range (the conversion truncates; NaN fails the first test).
-    let integer = m.abs() <= BOUNDED_REFERENCE && (m as i32) as f32 == m;
-    if !(integer && (0.0..=126.0).contains(&limit)) {
+    if !(m.is_finite() && (0.0..=126.0).contains(&limit)) {
         return None;
     }
     #[cfg(target_arch = "x86_64")]
     if isa == Isa::Avx2 {
-        // SAFETY: the CPU has AVX2 and FMA (the caller's contract); `m` is an integer with
-        // |m| <= 2^20 (checked above).
-        let (sum, max, min) = unsafe { exp2_in_range_sum_avx2(x, m) };
-        // Every element within [m - 125, m + limit] (NaN elements are not counted in the
-        // bounds; they came out NaN and made the sum NaN).
-        return (x.is_empty() || (min >= m + EXP2_FLUSH && max <= m + limit)).then_some(sum);
+        // An integer within the range (the conversion truncates) is folded into the
+        // rounding constant; the bounds are then those of `x` around `m` (exact: `m - 125`
+        // and `m + limit` are integers below 2^21), else those of `x - m` as computed.
+        let folded = m.abs() <= FOLDED_REFERENCE && (m as i32) as f32 == m;
+        // SAFETY: the CPU has AVX2 and FMA (the caller's contract); `m` is an integer
+        // with |m| <= 2^20 when folded.
+        let (sum, max, min, lo, hi) = unsafe {
+            if folded {
+                let (sum, max, min) = exp2_in_range_sum_avx2::<false>(x, m);
+                (sum, max, min, m + EXP2_FLUSH, m + limit)
+            } else {
+                let (sum, max, min) = exp2_in_range_sum_avx2::<true>(x, m);
+                (sum, max, min, EXP2_FLUSH, limit)
+            }
+        };
+        // NaN elements are not counted in the bounds; they came out NaN and made the sum
+        // NaN.
+        return (x.is_empty() || (min >= lo && max <= hi)).then_some(sum);
     }
     let max = match isa {
         #[cfg(target_arch = "x86_64")]
@@ -437,7 +449,8 @@ unsafe fn exp2_shifted_sum_avx2(x: &mut [f32], m: f32) -> f32 {
 }
 
 /// `2^(x - m)` for `x` in `[m - 125, m + 126]` and an integer `m`, 8 lanes, given `c =
-/// MAGIC + 127 - m` (exact: `m` is an integer and `|m| <= 2^20`):
+/// MAGIC + 127 - m` (exact: `m` is an integer and `|m| <= 2^20`; `m = 0` for inputs
+/// already reduced):
 /// - `t = x + c` rounds `x` to an integer `k` (`c` is one, and `t` lies in `[2^23, 2^24)`,
 ///   where f32 spacing is 1), so `t - c = k` and `r = x - k` in `[-0.5, 0.5]` are exact;
 /// - `t`'s mantissa holds `2^22 + 127 + n` with `n = k - m` in `[-125, 126]`, so its bits
@@ -460,26 +473,33 @@ unsafe fn exp2_in_range_avx2(x: __m256, c: __m256) -> __m256 {
 }
 
 /// `x[j] = 2^(x[j] - m)` with [`exp2_in_range_avx2`] in one pass; returns the sum of the new
-/// values and the largest and smallest input (NaN inputs left out of both; `-inf`, `+inf`
-/// for an empty row). The powers are right only if the bounds are within
-/// `[m - 125, m + 126]`.
+/// values and the largest and smallest reduced input (NaN inputs left out of both; `-inf`,
+/// `+inf` for an empty row). The reduced input is `x[j] - m` rounded to f32 when `SHIFT`
+/// (as [`exp2_shifted_sum`] computes it), else `x[j]` itself with `m` folded into the
+/// rounding constant. The powers are right only if the bounds are within `[-125, 126]`
+/// (`SHIFT`) or `[m - 125, m + 126]`.
 ///
 /// # Safety
-/// The CPU has AVX2 and FMA; `m` is an integer with `|m| <= 2^20`.
+/// The CPU has AVX2 and FMA; without `SHIFT`, `m` is an integer with `|m| <= 2^20`.
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx2,fma")]
-unsafe fn exp2_in_range_sum_avx2(x: &mut [f32], m: f32) -> (f32, f32, f32) {
+unsafe fn exp2_in_range_sum_avx2<const SHIFT: bool>(x: &mut [f32], m: f32) -> (f32, f32, f32) {
     let n = x.len();
     let p = x.as_mut_ptr();
-    let c = _mm256_set1_ps(MAGIC + 127.0 - m);
+    let (c, vm) = if SHIFT {
+        (_mm256_set1_ps(MAGIC + 127.0), _mm256_set1_ps(m))
+    } else {
+        (_mm256_set1_ps(MAGIC + 127.0 - m), _mm256_setzero_ps())
+    };
+    let reduce = |v: __m256| if SHIFT { _mm256_sub_ps(v, vm) } else { v };
     let mut sum0 = _mm256_setzero_ps();
     let mut sum1 = _mm256_setzero_ps();
     let mut max = _mm256_set1_ps(f32::NEG_INFINITY);
     let mut min = _mm256_set1_ps(f32::INFINITY);
     let mut i = 0;
     while i + 16 <= n {
-        let v0 = _mm256_loadu_ps(p.add(i));
-        let v1 = _mm256_loadu_ps(p.add(i + 8));
+        let v0 = reduce(_mm256_loadu_ps(p.add(i)));
+        let v1 = reduce(_mm256_loadu_ps(p.add(i + 8)));
         let e0 = exp2_in_range_avx2(v0, c);
         let e1 = exp2_in_range_avx2(v1, c);
         _mm256_storeu_ps(p.add(i), e0);
@@ -497,7 +517,7 @@ unsafe fn exp2_in_range_sum_avx2(x: &mut [f32], m: f32) -> (f32, f32, f32) {
         // row count neither in the sum nor in the bounds.
         let mask = first_lanes(n - i);
         let live = _mm256_castsi256_ps(mask);
-        let v = _mm256_maskload_ps(p.add(i), mask);
+        let v = reduce(_mm256_maskload_ps(p.add(i), mask));
         let e = exp2_in_range_avx2(v, c);
         _mm256_maskstore_ps(p.add(i), mask, e);
         sum0 = _mm256_add_ps(sum0, _mm256_and_ps(e, live));
@@ -643,16 +663,19 @@ mod tests {
     }
 
     #[test]
-    fn bounded_exp2_takes_an_integer_reference_and_refuses_what_it_cannot_do_exactly() {
-        // The one-pass AVX2 version reduces `x` itself (no rounding), the others `x - m`
-        // rounded to f32, as `exp2_shifted_sum` does.
-        let close = |isa: Isa, x: f32, m: f32, got: f32| {
-            let d = if one_pass(isa) {
+    fn bounded_exp2_matches_the_power_and_refuses_what_it_cannot_do_exactly() {
+        // The one-pass AVX2 version reduces `x` itself when the reference is an integer it
+        // folds (no rounding); otherwise, and on the other CPUs, `x - m` rounded to f32, as
+        // `exp2_shifted_sum` does.
+        let reduced = |isa: Isa, x: f32, m: f32| {
+            if one_pass(isa) && m.fract() == 0.0 && m.abs() <= FOLDED_REFERENCE {
                 x as f64 - m as f64
             } else {
                 (x - m) as f64
-            };
-            let want = d.exp2();
+            }
+        };
+        let close = |isa: Isa, x: f32, m: f32, got: f32| {
+            let want = reduced(isa, x, m).exp2();
             assert!(
                 (got as f64 - want).abs() <= 4.0 * f32::EPSILON as f64 * want,
                 "{isa:?}: 2^({x} - {m}) = {got}, f64 {want}"
@@ -663,7 +686,20 @@ mod tests {
             let run = |x: &mut [f32], m: f32, limit: f32| unsafe {
                 exp2_shifted_sum_bounded_on(isa, x, m, limit)
             };
-            for m in [-300.0f32, -3.0, 0.0, 7.0, 1000.0, 1_048_576.0] {
+            // Integer references (folded up to 2^20) and others.
+            let refs = [
+                -300.0f32,
+                -3.0,
+                0.0,
+                7.0,
+                1000.0,
+                1_048_576.0,
+                0.37,
+                -5.5,
+                3_000_000.5,
+                1e7,
+            ];
+            for m in refs {
                 // From the flush point up to the headroom, at steps that are not fractions
                 // of a power of two (every rounding case of the reduction).
                 let x: Vec<f32> = (0..1000)
@@ -675,14 +711,14 @@ mod tests {
                 for (&v, &got) in x.iter().zip(&e) {
                     close(isa, v, m, got);
                 }
-                let want: f64 = x.iter().map(|&v| (v as f64 - m as f64).exp2()).sum();
+                let want: f64 = x.iter().map(|&v| reduced(isa, v, m).exp2()).sum();
                 assert!(
                     (sum as f64 - want).abs() <= 1e-6 * want,
                     "{isa:?}: sum {sum} vs {want}"
                 );
                 // Past the headroom: refused.
                 let mut above = x.clone();
-                above[17] = m + 8.5;
+                above[17] = m + 16.0;
                 assert_eq!(run(&mut above, m, 8.0), None, "{isa:?}: m {m}");
             }
             // Below the flush point: the AVX2 pass refuses the row; the others flush.
@@ -710,7 +746,12 @@ mod tests {
                 }
             }
             // A reference it cannot take leaves the row as it was.
-            for (m, limit) in [(0.5, 0.0), (2e6, 0.0), (f32::NAN, 0.0), (0.0, 127.0)] {
+            for (m, limit) in [
+                (f32::NAN, 0.0),
+                (f32::INFINITY, 0.0),
+                (0.0, 127.0),
+                (0.0, -1.0),
+            ] {
                 let mut e = low.clone();
                 assert_eq!(run(&mut e, m, limit), None, "{isa:?}: {m} {limit}");
                 assert_eq!(e, low);
