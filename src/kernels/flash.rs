@@ -149,9 +149,11 @@ fn task(
     let align = prods.key_align();
     // A tile starts at a multiple of `align` at or before its first key.
     let ld = blocks.k + align;
-    let sizes = [n * ld, n * dv, n, n];
+    let sizes = [n * ld, n * dv, n, n, n];
     with_scratch(sizes.iter().sum(), |buf| {
-        let [s, acc, m, l] = split(buf, sizes);
+        // `wide[r]` is 1 once row r's scores spanned more than the one pass takes: its
+        // later tiles go straight to the full path instead of being computed twice.
+        let [s, acc, m, l, wide] = split(buf, sizes);
         if end - first <= blocks.k {
             // One tile: softmax of the whole rows, as the weights kernel does.
             // SAFETY: this task is the only one that handles rows i0..i0+n of head h in b.
@@ -160,6 +162,7 @@ fn task(
         }
         m.fill(f32::NEG_INFINITY);
         l.fill(0.0);
+        wide.fill(0.0);
         acc.fill(0.0);
         let masked_parts = p.mask.key_bias.is_some() || p.mask.dense.is_some();
         let mut j0 = first / align * align;
@@ -171,7 +174,7 @@ fn task(
             let (off, cols) = (lo - j0, hi - lo);
             let masked = masked_parts || p.causal_cuts(i0, lo, cols);
             for r in 0..n {
-                if !masked {
+                if !masked && wide[r] == 0.0 {
                     let row = &mut s[r * ld + off..r * ld + off + cols];
                     if m[r] == f32::NEG_INFINITY {
                         // The row's first tile: the reference is its maximum, rounded up.
@@ -189,6 +192,11 @@ fn task(
                         }
                         // The pass overwrote the row: its scores again, for the full pass.
                         prods.scores(p, b, h, i0 + r, 1, (j0, hi), &mut s[r * ld..], ld)?;
+                        let row = &s[r * ld + off..r * ld + off + cols];
+                        let low = row.iter().fold(f32::INFINITY, |a, &b| a.min(b));
+                        if low < m[r].max(simd::row_max(row)) + simd::EXP2_FLUSH {
+                            wide[r] = 1.0;
+                        }
                     }
                 }
                 let row = &mut s[r * ld + off..r * ld + off + cols];

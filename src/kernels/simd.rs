@@ -20,7 +20,7 @@ use std::sync::OnceLock;
 
 /// Below this, `exp2` returns exactly 0 (`2^-125 ~ 2.4e-38`; the smallest normal f32 is
 /// `2^-126`, and `2^n 2^r` with `n >= -125` is always normal).
-const EXP2_FLUSH: f32 = -125.0;
+pub(crate) const EXP2_FLUSH: f32 = -125.0;
 /// From this up, `exp2` is `+inf` (the largest f32 is just under `2^128`).
 const EXP2_MAX: f32 = 128.0;
 /// 1.5 * 2^23: for |x| < 2^22, `x + MAGIC` is an f32 in [2^23, 2^24) (spacing 1), so the
