@@ -136,9 +136,9 @@ const FOLDED_REFERENCE: f32 = 1_048_576.0;
 /// flush); the caller then recomputes the row's scores and takes [`exp2_shifted_sum`].
 /// After `None`, `x` holds unspecified values.
 ///
-/// On AVX2 + FMA this is one pass (the bounds are gathered while the powers are computed:
-/// 10-11 vector operations per 8 elements, against 13 plus a maximum pass for [`row_max`]
-/// and [`exp2_shifted_sum`]). For an integer `m` (`|m| <= 2^20`) the reduction takes
+/// On AVX2 + FMA this is one pass: the power takes 10 vector operations per 8 elements (11
+/// when `m` is subtracted) and the bounds 2 more, where [`exp2_shifted_sum`] takes 14 after
+/// a separate [`row_max`] pass. For an integer `m` (`|m| <= 2^20`) the reduction takes
 /// `x[j]` itself, so `x[j] - m` is never rounded; otherwise it takes `x[j] - m` rounded to
 /// f32, as [`exp2_shifted_sum`] does (the row maximum then gives exactly 1). Elsewhere it
 /// is the two passes.
