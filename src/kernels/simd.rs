@@ -114,7 +114,9 @@ pub(crate) fn row_max(x: &[f32]) -> f32 {
 }
 
 /// `x[j] = 2^(x[j] - m)` for every `j`; returns the sum of the new values. `m` must be
-/// finite and at least every `x[j]` (the softmax's row maximum, in base-2 units).
+/// finite with every `x[j] - m` at most 126: the softmax's row maximum (in base-2 units),
+/// or a reference the scores exceed by a little ([`exp2_shifted_sum_bounded`] on CPUs
+/// without its one-pass version).
 pub(crate) fn exp2_shifted_sum(x: &mut [f32], m: f32) -> f32 {
     // SAFETY: `isa()` is what this CPU has.
     unsafe { exp2_shifted_sum_on(isa(), x, m) }
