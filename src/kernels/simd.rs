@@ -125,6 +125,7 @@ pub(crate) fn exp2_shifted_sum(x: &mut [f32], m: f32) -> f32 {
 /// Largest integer reference that [`exp2_shifted_sum_bounded`] folds into its rounding
 /// constant (`MAGIC + 127 - m` must stay an integer in `[2^23, 2^24)`); other references
 /// are subtracted first.
+#[cfg_attr(not(target_arch = "x86_64"), allow(dead_code))]
 const FOLDED_REFERENCE: f32 = 1_048_576.0;
 
 /// `x[j] = 2^(x[j] - m)` for every `j` and the sum of the new values, for a finite
@@ -194,6 +195,7 @@ unsafe fn exp2_shifted_sum_bounded_on(isa: Isa, x: &mut [f32], m: f32, limit: f3
 /// Every instruction set this CPU runs (the one [`isa`] picks and the ones below it), so
 /// the tests cover each version on any machine.
 #[cfg(test)]
+#[cfg_attr(not(target_arch = "x86_64"), allow(unused_mut))]
 fn supported_isas() -> Vec<Isa> {
     let mut all = vec![Isa::Scalar];
     #[cfg(target_arch = "x86_64")]
