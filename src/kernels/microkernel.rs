@@ -35,7 +35,7 @@ pub(crate) enum Start {
 }
 
 /// Whether this CPU has AVX-512F (these kernels).
-fn avx512() -> bool {
+pub(crate) fn avx512() -> bool {
     #[cfg(target_arch = "x86_64")]
     {
         use std::sync::OnceLock;

@@ -38,8 +38,10 @@ use crate::error::Result;
 use crate::memory;
 use problem::{OutOperand, Problem};
 
-/// Above this many keys the attention kernels pack K and V for the micro-kernels.
-const PACK_MIN_KEYS: usize = 512;
+/// Above this many keys the attention kernels pack K and V for the AVX-512 micro-kernels.
+const PACK_MIN_KEYS_AVX512: usize = 512;
+/// Above this many keys the attention kernels pack K and V for the AVX2 + FMA micro-kernels.
+const PACK_MIN_KEYS_AVX2: usize = 256;
 
 /// What to do with the attention weights.
 pub(crate) enum WeightsMode<'f> {
@@ -60,12 +62,19 @@ pub(crate) fn run(
     mode: WeightsMode<'_>,
 ) -> Result<Option<Vec<f32>>> {
     // Packing K and V into micro-kernel panels costs a pass over them per call; it pays when
-    // each packed key tile is reused by many score tiles (several key tiles per row). With
-    // one tile of keys (seq_k <= 512) the `gemm` crate on the strided heads was measured
-    // 10-15% faster (bench at seq 32, 128 and 512), at seq_k 4096 the panels ~12% faster
-    // (AVX-512). On AVX2 + FMA, packing per task instead of up front was no faster at seq
-    // 32 and 128 and 3% slower at 512.
-    let packed = microkernel::available() && p.seq_k > PACK_MIN_KEYS;
+    // the packed keys are reused by many query rows. On AVX-512 the `gemm` crate on the
+    // strided heads was measured 10-15% faster with one tile of keys (bench at seq 32, 128
+    // and 512), the panels ~12% faster at seq_k 4096. On AVX2 + FMA (AMD Zen 3, attention
+    // alone, 12 heads of 64, builds alternating, median of the per-round time ratios) the
+    // panels took 1.56x the gemm crate's time at seq 32, 1.11x at 128, 1.01x at 256, 0.95x
+    // at 384 and at 512 (0.92x with the weights returned); packing per task instead of up
+    // front was no faster at seq 32 and 128 and 3% slower at 512.
+    let min_keys = if microkernel::avx512() {
+        PACK_MIN_KEYS_AVX512
+    } else {
+        PACK_MIN_KEYS_AVX2
+    };
+    let packed = microkernel::available() && p.seq_k > min_keys;
     match mode {
         WeightsMode::Skip => {
             flash::attention_tiled(p, out, packed)?;
