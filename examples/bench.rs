@@ -90,9 +90,9 @@ struct Args {
     /// auto, cpu, cuda[:N] or metal[:N]; peak RSS is the host process's on every device.
     #[arg(long, default_value = "cpu")]
     device: String,
-    /// Timed iterations after one warm-up (default: about 2 s worth, 3 to 100).
-    #[arg(long)]
-    iters: Option<usize>,
+    /// Timed iterations after one warm-up, at least 1 (default: about 2 s worth, 3 to 100).
+    #[arg(long, value_parser = clap::value_parser!(u64).range(1..))]
+    iters: Option<u64>,
     /// The attention alone on random Q, K, V (no projections).
     #[arg(long)]
     core: bool,
@@ -354,7 +354,7 @@ fn measure(args: &Args, s: &Setup, imp: Impl, kvh: usize) -> anyhow::Result<Opti
     run()?; // warm-up
     let first = t0.elapsed().as_secs_f64();
     let iters = match args.iters {
-        Some(n) => n.max(1),
+        Some(n) => usize::try_from(n)?,
         None if first > 2.0 => 1,
         None => ((2.0 / first.max(1e-6)) as usize).clamp(3, 100),
     };
