@@ -1,6 +1,7 @@
 //! Criterion benchmarks at the shapes of `examples/bench.rs` / `benches/side_by_side.sh`,
 //! each next to the naive candle composition (matmul, softmax_last_dim, matmul) in the same
-//! run. `cargo bench --bench attention [-- FILTER]`; threads: `RAYON_NUM_THREADS`.
+//! run. `cargo bench --bench attention [-- FILTER]`; threads: `RAYON_NUM_THREADS`, calls
+//! handed over to rayon's default pool (as `examples/bench.rs --pool detached` times them).
 //!
 //! - `mha/<seq>x<hidden>/<path>`: a whole self-attention forward (projections, attention,
 //!   W_O), batch 1, 12 heads, with and without the weights;

@@ -11,7 +11,9 @@
 #                                      # is the closest to an idle machine)
 #
 # Every cell is a separate process running one shape (examples/bench.rs --json,
-# benches/compare_pytorch.py --json), so peak RSS is per implementation. Timings are only
+# benches/compare_pytorch.py --json), so peak RSS is per implementation. Both tools' calling
+# thread is one of their THREADS workers (OpenMP's main thread in PyTorch; the bench's
+# default `--pool caller` for ours). Timings are only
 # comparable on an idle machine: the script prints the 1-minute load average before and after.
 set -euo pipefail
 cd "$(dirname "$0")/.."

@@ -5,7 +5,7 @@
 //! ```text
 //! cargo run --release --example bench -- --batch 1 --seq 128 --hidden 768 --heads 12 \
 //!   [--kv-heads N] [--causal] [--weights] [--dtype f32] [--iters N] [--core] [--device D] \
-//!   [--impl ours|naive|candle-flash|candle-matmul] [--json]
+//!   [--impl ours|naive|candle-flash|candle-matmul] [--pool caller|detached] [--json]
 //! ```
 //!
 //! `--json` prints one JSON object `{"batch", "seq", "hidden", "heads", "median_ms",
@@ -17,7 +17,12 @@
 //!
 //! `--core` times the attention alone on random `(batch, heads, seq, hidden / heads)` Q, K
 //! and V (what `F.scaled_dot_product_attention` does), without the projections.
-//! Threads: the rayon pool (`RAYON_NUM_THREADS`, default one per core).
+//! Threads: the rayon pool (`RAYON_NUM_THREADS`, default one per core). By default
+//! (`--pool caller`) the thread that makes the timed calls is the pool's worker 0, as
+//! OpenMP's main thread is in PyTorch, so a call starts and ends on it with no hand-over;
+//! `--pool detached` keeps rayon's default pool, where each call from outside it is handed
+//! to the pool's threads while the caller sleeps (~10-15 µs per call on the development
+//! machine, ~4% at seq 32).
 
 use std::sync::OnceLock;
 use std::time::Instant;
@@ -64,6 +69,25 @@ impl Impl {
     }
 }
 
+/// Where the timed calls run with respect to rayon's global pool.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+enum Pool {
+    /// The calling thread is worker 0 of the pool (`ThreadPoolBuilder::use_current_thread`):
+    /// `RAYON_NUM_THREADS` threads in all, the caller one of them.
+    Caller,
+    /// Rayon's default pool of `RAYON_NUM_THREADS` threads; the caller hands each call over.
+    Detached,
+}
+
+impl Pool {
+    fn name(&self) -> &'static str {
+        match self {
+            Pool::Caller => "caller",
+            Pool::Detached => "detached",
+        }
+    }
+}
+
 #[derive(Parser, Debug)]
 #[command(about = "Time one multi-head self-attention forward at one shape")]
 struct Args {
@@ -99,6 +123,10 @@ struct Args {
     /// Which implementation to time with `--json`.
     #[arg(long = "impl", value_enum, default_value_t = Impl::Ours)]
     implementation: Impl,
+    /// Rayon's pool: `caller` makes the calling thread one of its workers (as OpenMP's
+    /// main thread is), `detached` keeps rayon's default (calls are handed over to it).
+    #[arg(long, value_enum, default_value_t = Pool::Caller)]
+    pool: Pool,
     /// One JSON object on stdout.
     #[arg(long)]
     json: bool,
@@ -123,6 +151,12 @@ struct Measured {
 
 fn main() -> anyhow::Result<()> {
     let args = Args::parse();
+    if args.pool == Pool::Caller {
+        rayon::ThreadPoolBuilder::new()
+            .use_current_thread()
+            .build_global()
+            .context("building rayon's global pool around the calling thread")?;
+    }
     let dtype = parse_dtype(&args.dtype)?;
     let (device, device_name) = select_device(&args.device)?;
     if !args.json {
@@ -163,6 +197,7 @@ fn main() -> anyhow::Result<()> {
             "dtype": args.dtype,
             "impl": args.implementation.name(),
             "threads": threads,
+            "pool": args.pool.name(),
             "device": args.device,
             "iters": m.iters,
         });
@@ -171,7 +206,7 @@ fn main() -> anyhow::Result<()> {
     }
 
     println!(
-        "batch {}, seq {}, hidden {}, heads {} (kv {kvh}), {}{}, {}, {}, {threads} threads",
+        "batch {}, seq {}, hidden {}, heads {} (kv {kvh}), {}{}, {}, {}, {threads} threads (pool: {})",
         args.batch,
         args.seq,
         args.hidden,
@@ -188,6 +223,7 @@ fn main() -> anyhow::Result<()> {
         } else {
             "projections + attention + W_O"
         },
+        args.pool.name(),
     );
     let t0 = Instant::now();
     let setup = setup(&args, dtype, kvh, Impl::Ours)?;

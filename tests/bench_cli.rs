@@ -86,6 +86,24 @@ fn each_implementation_reports_its_own_json() -> anyhow::Result<()> {
 }
 
 #[test]
+fn both_pool_setups_run_and_are_reported() -> anyhow::Result<()> {
+    for (extra, pool) in [
+        (&[][..], "caller"),
+        (&["--pool", "detached"][..], "detached"),
+    ] {
+        let mut args = vec![
+            "--seq", "16", "--hidden", "32", "--heads", "2", "--iters", "2", "--json",
+        ];
+        args.extend_from_slice(extra);
+        let v = json_of(&args)?;
+        assert_eq!(v["pool"].as_str(), Some(pool), "{v}");
+        assert_eq!(num(&v, "threads")?, 2.0, "{v}");
+        assert!(num(&v, "median_ms")? > 0.0, "{v}");
+    }
+    Ok(())
+}
+
+#[test]
 fn table_shows_the_candle_baselines_with_ratios() -> anyhow::Result<()> {
     let out = bench(&[
         "--seq", "16", "--hidden", "32", "--heads", "2", "--iters", "2",
@@ -128,6 +146,7 @@ fn bad_shapes_are_clear_errors() -> anyhow::Result<()> {
             "--kv-heads 3",
         ),
         (&["--dtype", "f8", "--json"][..], "f8"),
+        (&["--iters", "0", "--json"][..], "--iters"),
     ] {
         let out = bench(args)?;
         let stderr = String::from_utf8_lossy(&out.stderr);
