@@ -201,6 +201,45 @@ fn kernels_equal_the_explicit_path() -> anyhow::Result<()> {
 }
 
 #[test]
+fn wide_scores_across_tiles_equal_the_explicit_path() -> anyhow::Result<()> {
+    // Queries scaled up so that scores span far more than f32's exponent range within a row
+    // (each row's reference moves, rows leave the one-pass softmax for the careful one), over
+    // several key tiles, with the causal diagonal crossing tiles at every offset.
+    let (b, h, sq, sk, d) = (2, 2, 530, 700, 16);
+    let k = tensor(2, &[b, h, sk, d], 1.0)?;
+    let v = tensor(3, &[b, h, sk, d], 1.0)?;
+    let pad = AttentionMask::padding(&right_padding(&[700, 451], sk)?)?;
+    for qs in [4.0, 40.0] {
+        let q = tensor(1, &[b, h, sq, d], qs)?;
+        for (mask, name) in [
+            (AttentionMask::causal(), "causal"),
+            (AttentionMask::causal_with_offset(sk - sq), "causal+offset"),
+            (
+                AttentionMask::causal_with_offset(sk - sq).and(pad.clone()),
+                "causal+padding",
+            ),
+        ] {
+            let what = format!("queries x{qs}, {name}");
+            let fast =
+                scaled_dot_product_attention(&q, &k, &v, Some(&mask), SdpaOptions::default())?;
+            let slow = scaled_dot_product_attention_explicit(
+                &q,
+                &k,
+                &v,
+                Some(&mask),
+                SdpaOptions::default(),
+            )?;
+            anyhow::ensure!(!has_non_finite(&fast.context)?, "{what}: non-finite");
+            // An f32 score of size x carries an error of ~x * 2^-24 whichever way it is
+            // summed, and the weights inherit it: the tolerance grows with the scores (a lost
+            // tile or a wrong rescaling errs by 1e-2 and more).
+            assert_close(&fast.context, &slow.context, TOL * qs, &what)?;
+        }
+    }
+    Ok(())
+}
+
+#[test]
 fn fully_masked_rows_are_zero_across_tiles() -> anyhow::Result<()> {
     let c = Case {
         b: 2,

@@ -5,7 +5,9 @@
 //!
 //! Tasks are `(batch, head, query block)`, run in parallel on the rayon pool, heaviest
 //! first. Causal masks end each task's key loop at the diagonal (blocks above it are never
-//! computed) and mask only the tiles that cross it; padding ranges skip the padded keys.
+//! computed); on the tiles that cross it, each row's softmax runs over the keys that row
+//! sees, as an unmasked row (the keys past them get weight 0, with no mask pass). Padding
+//! ranges skip the padded keys.
 //! When the keys fit in one tile (up to 512) the task computes the whole softmax at once,
 //! with the same code as the weights kernel, so both paths give the same bits.
 //!
@@ -172,10 +174,22 @@ fn task(
             // S = scale log2(e) Q K^T for keys j0..hi, (n, hi - j0) at stride ld (base 2)
             prods.scores(p, b, h, i0, n, (j0, hi), s, ld)?;
             let (off, cols) = (lo - j0, hi - lo);
-            let masked = masked_parts || p.causal_cuts(i0, lo, cols);
+            // A causal cut alone (no other mask) leaves each row a prefix of the tile's keys:
+            // the keys past it get weight 0 and the prefix is an unmasked row.
+            let cut = !masked_parts && p.causal_cuts(i0, lo, cols);
             for r in 0..n {
-                if !masked && wide[r] == 0.0 {
-                    let row = &mut s[r * ld + off..r * ld + off + cols];
+                let seen = if cut {
+                    p.causal_visible_keys(i0 + r, lo, cols)
+                } else {
+                    cols
+                };
+                s[r * ld + off + seen..r * ld + off + cols].fill(0.0);
+                if seen == 0 {
+                    // Every key of this tile is hidden from this query: nothing to add.
+                    continue;
+                }
+                if !masked_parts && wide[r] == 0.0 {
+                    let row = &mut s[r * ld + off..r * ld + off + seen];
                     if m[r] == f32::NEG_INFINITY {
                         // The row's first tile: the reference is its maximum, rounded up.
                         let tile_max = simd::row_max(row);
@@ -191,16 +205,16 @@ fn task(
                             continue;
                         }
                         // The pass overwrote the row: its scores again, for the full pass.
-                        prods.scores(p, b, h, i0 + r, 1, (j0, hi), &mut s[r * ld..], ld)?;
-                        let row = &s[r * ld + off..r * ld + off + cols];
+                        prods.scores(p, b, h, i0 + r, 1, (j0, lo + seen), &mut s[r * ld..], ld)?;
+                        let row = &s[r * ld + off..r * ld + off + seen];
                         let low = row.iter().fold(f32::INFINITY, |a, &b| a.min(b));
                         if low < m[r].max(simd::row_max(row)) + simd::EXP2_FLUSH {
                             wide[r] = 1.0;
                         }
                     }
                 }
-                let row = &mut s[r * ld + off..r * ld + off + cols];
-                if masked {
+                let row = &mut s[r * ld + off..r * ld + off + seen];
+                if masked_parts {
                     p.mask_row(row, b, h, i0 + r, lo)?;
                 }
                 let tile_max = simd::row_max(row);
