@@ -11,7 +11,8 @@
 //!   `gemm` crate path for CPUs without either;
 //! - [`self_attention`]: the whole multi-head forward on one fused Q/K/V buffer, with no
 //!   copy between the head split, the attention and the head merge;
-//! - [`sdpa`]: the kernels behind the tensor-level SDPA function.
+//! - [`sdpa`]: the kernels behind the tensor-level SDPA function;
+//! - [`transpose`]: the scaled `8 x 8` transposes that pack keys into `K^T` panels.
 //!
 //! Matrix products go through the `gemm` crate (the AVX-512 / AVX2 kernels candle's CPU
 //! matmul uses); the softmax's `exp` is vectorised in [`simd`].
@@ -31,6 +32,7 @@ pub(crate) mod sdpa;
 pub(crate) mod self_attention;
 mod simd;
 mod tile_products;
+mod transpose;
 
 pub use rows::WeightsBlock;
 
