@@ -233,6 +233,13 @@ unsafe fn exp2_shifted_sum_on(isa: Isa, x: &mut [f32], m: f32) -> f32 {
     }
 }
 
+/// Whether this CPU runs one of the vector versions (AVX-512, or AVX2 + FMA); AVX is part of
+/// both.
+#[cfg(target_arch = "x86_64")]
+pub(crate) fn avx() -> bool {
+    isa() != Isa::Scalar
+}
+
 /// `dst[..n] = src[..n]`, `n` the shorter length (returned), with streaming (non-temporal)
 /// stores where the CPU has AVX: the destination's cache lines are written without being
 /// read first and do not evict the cache. Meant for large results written once and not read
@@ -241,7 +248,7 @@ pub(crate) fn copy_streaming(dst: &mut [MaybeUninit<f32>], src: &[f32]) -> usize
     let n = dst.len().min(src.len());
     #[cfg(target_arch = "x86_64")]
     {
-        if isa() != Isa::Scalar {
+        if avx() {
             // SAFETY: AVX is part of both vector ISAs checked by `isa`; both slices hold `n`
             // elements and do not overlap (one is borrowed mutably).
             unsafe { copy_streaming_avx(dst.as_mut_ptr().cast::<f32>(), src.as_ptr(), n) };

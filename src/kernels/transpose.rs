@@ -40,7 +40,7 @@ pub(crate) fn transpose_scaled(
         )));
     }
     #[cfg(target_arch = "x86_64")]
-    if avx() {
+    if super::simd::avx() {
         // SAFETY: the CPU has AVX; the sizes were checked above.
         unsafe { transpose_scaled_avx(rows, depth, scale, dst.as_mut_ptr().cast(), ld) };
         return Ok(());
@@ -64,13 +64,6 @@ fn transpose_scaled_scalar(
             d.write(rows.get(t).map_or(0.0, |r| r[c] * scale));
         }
     }
-}
-
-#[cfg(target_arch = "x86_64")]
-fn avx() -> bool {
-    use std::sync::OnceLock;
-    static AVX: OnceLock<bool> = OnceLock::new();
-    *AVX.get_or_init(|| is_x86_feature_detected!("avx"))
 }
 
 /// [`transpose_scaled`] in `8 x 8` blocks, the features past the last multiple of 8 one at a
@@ -141,16 +134,20 @@ mod tests {
     use super::*;
 
     #[test]
-    fn transposed_copy_equals_the_definition() -> Result<()> {
+    fn transposed_copy_equals_the_definition_in_every_version() -> Result<()> {
         let data: Vec<f32> = (0..8 * 40).map(|i| i as f32 * 0.25 - 7.0).collect();
         // Depths below, at and past multiples of 8; fewer rows than 8 (zero columns).
         for depth in [1, 7, 8, 9, 16, 37, 40] {
             for live in [0, 1, 5, 8] {
                 let rows: Vec<&[f32]> = (0..live).map(|t| &data[t * 40..t * 40 + 40]).collect();
                 let ld = 13;
+                // The dispatched version (AVX here when the CPU has it) and the scalar one.
                 let mut dst = vec![MaybeUninit::new(f32::NAN); (depth - 1) * ld + 8 + 3];
                 transpose_scaled(&rows, depth, -1.5, &mut dst, ld)?;
-                for (i, d) in dst.iter().enumerate() {
+                let mut scalar = vec![MaybeUninit::new(f32::NAN); dst.len()];
+                transpose_scaled_scalar(&rows, 0, depth, -1.5, &mut scalar, ld);
+                for (i, d) in dst.iter().chain(&scalar).enumerate() {
+                    let i = i % dst.len();
                     // SAFETY: every element was initialised above.
                     let got = unsafe { d.assume_init() };
                     let (c, t) = (i / ld, i % ld);
