@@ -28,7 +28,7 @@ use super::problem::{OutOperand, Problem};
 use super::rows::{rows_per_block, softmax_block};
 use super::scratch::{split, with_scratch};
 use super::simd;
-use super::tile_products::{KvPanels, Products, KEY_PANEL};
+use super::tile_products::{KvPanels, Packing, Products, KEY_PANEL};
 use crate::error::Result;
 
 /// Rows per product on a tile that crosses the causal diagonal (a multiple of the
@@ -76,20 +76,24 @@ impl Blocks {
     }
 }
 
-/// Context of every query (no weights), written to `out`; `packed`: use the micro-kernels
-/// (AVX-512 or AVX2 + FMA) on packed K and V.
+/// Context of every query (no weights), written to `out`; `packing`: how the products reach
+/// the micro-kernels (AVX-512 or AVX2 + FMA), if at all.
 ///
 /// # Shapes
 /// - `p.q`: `(batch, heads, seq_q, d_k)`, `p.k`: `(batch, kv_heads, seq_k, d_k)`,
 ///   `p.v`: `(batch, kv_heads, seq_k, d_v)` (strided views)
 /// - `out`: `(batch, heads, seq_q, d_v)` (strided view)
-pub(crate) fn attention_tiled(p: &Problem<'_>, out: &OutOperand<'_>, packed: bool) -> Result<()> {
+pub(crate) fn attention_tiled(
+    p: &Problem<'_>,
+    out: &OutOperand<'_>,
+    packing: Packing,
+) -> Result<()> {
     p.validate()?;
     let threads = rayon::current_num_threads();
     let groups = p.batch * p.kv_heads;
-    if !packed {
+    if packing != Packing::Upfront {
         let blocks = Blocks::for_problem(p, threads, 1);
-        return run_groups(p, out, blocks, Products::Strided, 0..groups);
+        return run_groups(p, out, blocks, Products::new(packing, None), 0..groups);
     }
     let blocks = Blocks::for_problem(p, threads, KEY_PANEL);
     if KvPanels::bytes(p, groups) <= UPFRONT_PANEL_BYTES {

@@ -1,7 +1,8 @@
 //! Panel micro-kernels: `c (=|+=) a @ panel` for one panel of a packed right-hand side, in
 //! AVX-512 here and in AVX2 + FMA in [`super::microkernel_avx2`] (picked at run time).
 //!
-//! A panel is `(k, W)` row-major with `W` = 48 or 64 columns (3 or 4 registers), zero padded.
+//! A panel is `(k, W)` row-major with `W` = 32, 48 or 64 columns (2, 3 or 4 registers), zero
+//! padded past its last column up to a multiple of 16 at least (the kernels read no further).
 //! The full tiles are `8 x 48` and `6 x 64` (24 accumulator registers each, so every weight
 //! load feeds 8 or 6 multiply-adds); the edges (fewer rows, a narrower last panel) use
 //! smaller tiles in intrinsics. The depth is split in blocks of 128 so that the block of a
@@ -55,7 +56,7 @@ pub(crate) fn available() -> bool {
 }
 
 /// `c[0..m, 0..width] (=|+=) a[0..m, 0..k] @ b[0..k, 0..width]` for a panel `b` of `W`
-/// columns (`W` = 48 or 64, `width <= W`).
+/// columns (`W` = 32, 48 or 64, `width <= W`).
 ///
 /// # Safety
 /// [`available`] is true; `a` addresses `m` rows of `k` readable floats (row stride `lda`),
@@ -494,17 +495,22 @@ mod tests {
     /// CPU has AVX2 (also on AVX-512 machines, which dispatch elsewhere), the AVX2 kernels.
     #[test]
     fn panel_products_on_every_edge() {
-        let mut products: Vec<(Product, Product)> = Vec::new();
+        let mut products: Vec<[Product; 3]> = Vec::new();
         if available() {
-            products.push((panel_product::<48>, panel_product::<64>));
+            products.push([
+                panel_product::<32>,
+                panel_product::<48>,
+                panel_product::<64>,
+            ]);
         }
         if microkernel_avx2::available() {
-            products.push((
+            products.push([
+                microkernel_avx2::panel_product::<32>,
                 microkernel_avx2::panel_product::<48>,
                 microkernel_avx2::panel_product::<64>,
-            ));
+            ]);
         }
-        for (p48, p64) in products {
+        for [p32, p48, p64] in products {
             for (m, k) in [
                 (1, 1),
                 (7, 3),
@@ -519,6 +525,9 @@ mod tests {
                 }
                 for width in [5, 8, 16, 32, 41, 63, 64] {
                     check::<64>(p64, m, k, width);
+                }
+                for width in [1, 7, 16, 17, 31, 32] {
+                    check::<32>(p32, m, k, width);
                 }
             }
         }

@@ -5,12 +5,14 @@
 //! 48-column panel (projections, K^T) as two strips of 24 with a `4 x 24` full tile (every
 //! panel load feeds 4 multiply-adds, every broadcast 3), a 64-column panel (V) as four
 //! strips of 16 with a `6 x 16` full tile (the BLIS Haswell/Zen tile: every panel load feeds
-//! 6, every broadcast 2). Both hold 12 accumulators, enough to cover the multiply-add
-//! latency on two pipes; `4 x 24` measured 1-10% faster than `6 x 16` on the
-//! 48-column panels (bench at seq 32-512, AMD Zen 3). The depth is split in blocks of
+//! 6, every broadcast 2), a 32-column panel (per-task K^T) as two strips of 16. Both tiles
+//! hold 12 accumulators, enough to cover the multiply-add latency on two pipes; `4 x 24`
+//! measured 1-10% faster than `6 x 16` on the 48-column panels (bench at seq 32-512, AMD
+//! Zen 3). The depth is split in blocks of
 //! [`KC`] so that a block of the panel stays in L1 while the row groups go by. Edge
 //! columns (a narrower last panel) use masked loads and stores of `c` and the bias; the
-//! panel itself is zero padded to `W` columns, so it is always read whole.
+//! panel is read in whole registers, up to the next multiple of 8 past `width` (its zero
+//! padding).
 
 #[cfg(target_arch = "x86_64")]
 use std::arch::x86_64::*;

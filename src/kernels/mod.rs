@@ -39,6 +39,7 @@ pub use rows::WeightsBlock;
 use crate::error::Result;
 use crate::memory;
 use problem::{OutOperand, Problem};
+use tile_products::Packing;
 
 /// Above this many keys the attention kernels pack K and V for the AVX-512 micro-kernels.
 const PACK_MIN_KEYS_AVX512: usize = 512;
@@ -56,8 +57,9 @@ pub(crate) enum WeightsMode<'f> {
 }
 
 /// Runs `p` writing the context into `out`; returns the weights in [`WeightsMode::Return`].
-/// The products use the micro-kernels (AVX-512 or AVX2 + FMA) on packed K and V where the CPU
-/// has them and the keys are many.
+/// The products use the micro-kernels (AVX-512 or AVX2 + FMA) where the CPU has them: on K
+/// and V packed up front when the keys are many, packed by each task when they are few
+/// ([`Packing::for_keys`]).
 pub(crate) fn run(
     p: &Problem<'_>,
     out: &OutOperand<'_>,
@@ -76,10 +78,10 @@ pub(crate) fn run(
     } else {
         PACK_MIN_KEYS_AVX2
     };
-    let packed = microkernel::available() && p.seq_k > min_keys;
+    let packing = Packing::for_keys(p.seq_k, min_keys);
     match mode {
         WeightsMode::Skip => {
-            flash::attention_tiled(p, out, packed)?;
+            flash::attention_tiled(p, out, packing)?;
             Ok(None)
         }
         WeightsMode::Return => {
@@ -87,13 +89,13 @@ pub(crate) fn run(
             memory::ensure_allocatable("the attention weights", bytes)?;
             let n = p.batch * p.heads * p.seq_q * p.seq_k;
             let mut w: Vec<f32> = Vec::with_capacity(n);
-            rows::attention_with_weights(p, out, &mut w.spare_capacity_mut()[..n], packed)?;
+            rows::attention_with_weights(p, out, &mut w.spare_capacity_mut()[..n], packing)?;
             // SAFETY: `attention_with_weights` initialised all `n` elements (it returned Ok).
             unsafe { w.set_len(n) };
             Ok(Some(w))
         }
         WeightsMode::Stream(f) => {
-            rows::attention_streamed(p, out, packed, f)?;
+            rows::attention_streamed(p, out, packing, f)?;
             Ok(None)
         }
     }
@@ -101,8 +103,9 @@ pub(crate) fn run(
 
 #[cfg(test)]
 mod tests {
-    //! Both product implementations (packed micro-kernels and the `gemm` crate), through
-    //! the tiled, weights and streaming kernels, against attention computed in f64.
+    //! Every product implementation (micro-kernels on panels packed up front or per task,
+    //! and the `gemm` crate), through the tiled, weights and streaming kernels, against
+    //! attention computed in f64.
     use super::matrix::SharedOut;
     use super::problem::{KernelMask, Operand};
     use super::*;
@@ -189,7 +192,7 @@ mod tests {
         }
     }
 
-    /// The tiled, weights and streaming kernels with both product implementations against
+    /// The tiled, weights and streaming kernels with every product implementation against
     /// the f64 reference, on the given inputs.
     fn check(c: &Case, q: &[f32], k: &[f32], v: &[f32], what: &str) -> Result<()> {
         let scale = 1.0 / (c.dk as f64).sqrt();
@@ -219,8 +222,13 @@ mod tests {
                 ..KernelMask::default()
             },
         };
-        for packed in [false, microkernel::available()] {
-            let what = format!("{what}, packed {packed}");
+        let packings: &[Packing] = if microkernel::available() {
+            &[Packing::None, Packing::PerTask, Packing::Upfront]
+        } else {
+            &[Packing::None]
+        };
+        for &packed in packings {
+            let what = format!("{what}, {packed:?}");
             let mut ctx = vec![f32::NAN; c.b * c.h * c.sq * c.dv];
             fn out_of<'a>(ctx: &'a mut [f32], c: &Case) -> OutOperand<'a> {
                 OutOperand {
@@ -260,7 +268,7 @@ mod tests {
     }
 
     #[test]
-    fn both_products_in_every_kernel_equal_the_definition() -> Result<()> {
+    fn every_product_in_every_kernel_equals_the_definition() -> Result<()> {
         let cases = [
             Case {
                 b: 2,

@@ -14,7 +14,7 @@ use super::matrix::MatMut;
 use super::problem::{OutOperand, Problem};
 use super::scratch::with_scratch;
 use super::simd;
-use super::tile_products::{KvPanels, Products};
+use super::tile_products::{KvPanels, Packing, Products};
 use crate::error::{Error, Result};
 
 /// Query rows per block for `seq_k` keys: a block of scores stays within ~256 KiB of L2.
@@ -150,7 +150,7 @@ pub(crate) fn attention_with_weights(
     p: &Problem<'_>,
     out: &OutOperand<'_>,
     weights: &mut [MaybeUninit<f32>],
-    packed: bool,
+    packing: Packing,
 ) -> Result<()> {
     p.validate()?;
     let (sq, sk) = (p.seq_q, p.seq_k);
@@ -161,15 +161,12 @@ pub(crate) fn attention_with_weights(
         return Ok(());
     }
     let rows = rows_per_block(p, rayon::current_num_threads());
-    let kv = if packed {
+    let kv = if packing == Packing::Upfront {
         Some(KvPanels::pack(p, 0, p.batch * p.kv_heads)?)
     } else {
         None
     };
-    let prods = match &kv {
-        Some(kv) => Products::Packed(kv),
-        None => Products::Strided,
-    };
+    let prods = Products::new(packing, kv.as_ref());
     weights
         .par_chunks_mut(sq * sk)
         .enumerate()
@@ -222,7 +219,7 @@ impl WeightsBlock<'_> {
 pub(crate) fn attention_streamed(
     p: &Problem<'_>,
     out: &OutOperand<'_>,
-    packed: bool,
+    packing: Packing,
     on_block: &mut dyn FnMut(WeightsBlock<'_>) -> Result<()>,
 ) -> Result<()> {
     p.validate()?;
@@ -237,15 +234,12 @@ pub(crate) fn attention_streamed(
     let mut buffers: Vec<Vec<f32>> = Vec::new();
     for g in 0..p.batch * p.kv_heads {
         let (b, kvh) = (g / p.kv_heads, g % p.kv_heads);
-        let kv = if packed {
+        let kv = if packing == Packing::Upfront {
             Some(KvPanels::pack(p, g, 1)?)
         } else {
             None
         };
-        let prods = match &kv {
-            Some(kv) => Products::Packed(kv),
-            None => Products::Strided,
-        };
+        let prods = Products::new(packing, kv.as_ref());
         // The group's heads in order, each query block in order.
         let tasks = per_group * nqb;
         let locate = |t: usize| {

@@ -1,19 +1,25 @@
 //! The two products of attention on a tile, `S = scale * Q K^T` and `O (+)= P V`, in one of
-//! two ways:
+//! three ways:
 //! - [`Products::Packed`] (CPUs with AVX-512 or AVX2 + FMA): K and V packed once per call (or
 //!   per key/value head for long sequences, to keep memory low) into the panels of the
 //!   micro-kernels — K^T times [`Problem::score_scale`] in panels of 48 keys, V in panels of
 //!   64 value columns — so the products read the query rows in place and stream contiguous
 //!   panels, and nothing is repacked;
-//! - [`Products::Strided`] (other CPUs): the `gemm` crate on strided views of Q, K and V.
+//! - [`Products::PerTask`] (the same CPUs, few keys): each product packs the keys or values
+//!   it reads into this thread's panels (K^T in panels of 32 keys) and runs the
+//!   micro-kernels on them, with no packing pass over every head before the tasks start;
+//! - [`Products::Strided`]: the `gemm` crate on strided views of Q, K and V (other CPUs, and
+//!   key counts where neither packing pays).
 
 use std::mem::MaybeUninit;
 
 use rayon::prelude::*;
 
 use super::matrix::{matmul, MatMut, MatRef, Threads};
+use super::microkernel;
 use super::microkernel::{panel_product, Start};
 use super::problem::Problem;
+use super::scratch::with_panel_scratch;
 use super::transpose;
 use crate::error::{Error, Result};
 
@@ -33,6 +39,111 @@ const _: () = assert!(KEY_PANEL % transpose::COLUMNS == 0);
 /// powers take, which a column-wise softmax would do without horizontal sums): not worth
 /// turning every mask and the online softmax into column form.
 const V_PANEL: usize = 64;
+
+/// Keys per K panel of [`Products::PerTask`]: 32 keys are two 16-column strips of the AVX2
+/// `6 x 16` tile, where a 48-key panel would leave them a 24-column strip and an 8-column
+/// one (4 accumulators, half the multiply-add rate). Attention alone at seq 32, 12 heads of
+/// 32, paired runs (AMD Zen 3): 48-key panels took 1.04x the time of 32-key ones.
+const TASK_KEY_PANEL: usize = 32;
+
+/// Up to this many keys the products pack per task ([`Packing::PerTask`]). Attention alone
+/// (bench `--core`, 12 heads of 64, paired runs, time per-task / `gemm` crate, AMD Zen 3):
+/// 0.87 at 32 keys, 0.90 at 64, 1.01 at 128, 0.98 at 256; with 12 heads of 32 at seq 32:
+/// 0.86. Above it the `gemm` crate stays until the up-front panels pay.
+pub(crate) const PER_TASK_MAX_KEYS: usize = 64;
+
+/// Where the micro-kernels' panels come from, for one call.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Packing {
+    /// No panels: [`Products::Strided`].
+    None,
+    /// Each product packs what it reads: [`Products::PerTask`].
+    PerTask,
+    /// K and V packed before the tasks run: [`Products::Packed`].
+    Upfront,
+}
+
+impl Packing {
+    /// The packing for `seq_k` keys: up front above `min_upfront` keys, per task up to
+    /// [`PER_TASK_MAX_KEYS`], none in between or where the CPU has no micro-kernel.
+    pub fn for_keys(seq_k: usize, min_upfront: usize) -> Self {
+        if !microkernel::available() {
+            Packing::None
+        } else if seq_k > min_upfront {
+            Packing::Upfront
+        } else if seq_k <= PER_TASK_MAX_KEYS {
+            Packing::PerTask
+        } else {
+            Packing::None
+        }
+    }
+}
+
+/// `f32` slots to write into (the view of initialised floats as maybe-uninitialised ones).
+fn slots(x: &mut [f32]) -> &mut [MaybeUninit<f32>] {
+    // SAFETY: `MaybeUninit<f32>` has the layout of `f32`, and the view only ever gets
+    // initialised values written into it, so `x` stays initialised.
+    unsafe { &mut *(x as *mut [f32] as *mut [MaybeUninit<f32>]) }
+}
+
+/// One `K^T` panel of `width` columns: column `j < n` of row `c` is `scale` times feature `c`
+/// of key `first + j` of `keys`, columns `n..width` are 0.
+///
+/// # Shapes
+/// - `keys`: `(seq_k, dk)` with contiguous rows; `dst`: `dk * width` floats
+fn pack_keys(
+    keys: &MatRef<'_>,
+    (first, n): (usize, usize),
+    scale: f32,
+    dst: &mut [MaybeUninit<f32>],
+    width: usize,
+) -> Result<()> {
+    // Column j of the panel's row c is feature c of key first + j. Eight keys at a time,
+    // transposed in registers: their rows stay in L1 (a wide key stride maps many rows to
+    // the same cache sets, so all 48 at once would not) and each row c of the panel gets 8
+    // contiguous floats. Measured by perf (AMD Zen 3, 2 threads): packing K took 0.93% of
+    // the samples of the MHA forward at seq 512, hidden 768 (1.45% one float at a time),
+    // 0.36% of SDPA at seq 4096 (0.57%).
+    for j in (0..width).step_by(transpose::COLUMNS) {
+        let live = transpose::COLUMNS.min(n.saturating_sub(j));
+        let mut rows: [&[f32]; transpose::COLUMNS] = [&[]; transpose::COLUMNS];
+        for (t, row) in rows.iter_mut().take(live).enumerate() {
+            *row = keys
+                .row(first + j + t)
+                .ok_or_else(|| Error::Kernel("keys whose features are not contiguous".into()))?;
+        }
+        let dst = dst.get_mut(j..).ok_or_else(|| too_small("key panel"))?;
+        transpose::transpose_scaled(&rows[..live], keys.cols, scale, dst, width)?;
+    }
+    Ok(())
+}
+
+/// One V panel of `width` columns: row `j` holds columns `c0..c0 + n` of value row `j`, then
+/// zeros up to column `pad` (the kernels read no further).
+///
+/// # Shapes
+/// - `values`: `(rows, dv)` with contiguous rows; `dst`: `rows * width` floats
+fn pack_values(
+    values: &MatRef<'_>,
+    (c0, n): (usize, usize),
+    dst: &mut [MaybeUninit<f32>],
+    width: usize,
+    pad: usize,
+) -> Result<()> {
+    for (j, row) in dst.chunks_mut(width).take(values.rows).enumerate() {
+        let src = values
+            .row(j)
+            .and_then(|r| r.get(c0..c0 + n))
+            .ok_or_else(|| Error::Kernel("values whose features are not contiguous".into()))?;
+        for (d, &x) in row.iter_mut().zip(src) {
+            d.write(x);
+        }
+        for d in row.iter_mut().take(pad).skip(n) {
+            d.write(0.0);
+        }
+    }
+    Ok(())
+}
 
 /// K and V of some `(batch, kv_head)` groups in panels.
 #[derive(Debug)]
@@ -77,30 +188,7 @@ impl KvPanels {
             let keys = p.k.mat(b, kvh, 0, sk, dk)?;
             for (i, panel) in dst.chunks_mut(dk * KEY_PANEL).enumerate() {
                 let j0 = i * KEY_PANEL;
-                let n = KEY_PANEL.min(sk - j0);
-                // Column j of the panel's row c is feature c of key j0 + j. Eight keys at a
-                // time, transposed in registers: their rows stay in L1 (a wide key stride
-                // maps many rows to the same cache sets, so all 48 at once would not) and
-                // each row c of the panel gets 8 contiguous floats. Measured by perf (AMD Zen
-                // 3, 2 threads): packing K took 0.93% of the samples of the MHA forward at
-                // seq 512, hidden 768 (1.45% one float at a time), 0.36% of SDPA at seq 4096
-                // (0.57%).
-                for j in (0..KEY_PANEL).step_by(transpose::COLUMNS) {
-                    let live = transpose::COLUMNS.min(n.saturating_sub(j));
-                    let mut rows: [&[f32]; transpose::COLUMNS] = [&[]; transpose::COLUMNS];
-                    for (t, row) in rows.iter_mut().take(live).enumerate() {
-                        *row = keys.row(j0 + j + t).ok_or_else(|| {
-                            Error::Kernel("keys whose features are not contiguous".into())
-                        })?;
-                    }
-                    transpose::transpose_scaled(
-                        &rows[..live],
-                        dk,
-                        scale,
-                        &mut panel[j..],
-                        KEY_PANEL,
-                    )?;
-                }
+                pack_keys(&keys, (j0, KEY_PANEL.min(sk - j0)), scale, panel, KEY_PANEL)?;
             }
             Ok(())
         })?;
@@ -108,16 +196,8 @@ impl KvPanels {
             let (b, kvh) = ((first + g) / p.kv_heads, (first + g) % p.kv_heads);
             let values = p.v.mat(b, kvh, 0, sk, dv)?;
             for (q, panel) in dst.chunks_mut(sk * V_PANEL).enumerate() {
-                let (c0, width) = (q * V_PANEL, V_PANEL.min(dv - q * V_PANEL));
-                for (j, row) in panel.chunks_mut(V_PANEL).enumerate() {
-                    let src = values.row(j).unwrap_or(&[]);
-                    for (d, &x) in row.iter_mut().zip(&src[c0..c0 + width]) {
-                        d.write(x);
-                    }
-                    for d in &mut row[width..] {
-                        d.write(0.0);
-                    }
-                }
+                let c0 = q * V_PANEL;
+                pack_values(&values, (c0, V_PANEL.min(dv - c0)), panel, V_PANEL, V_PANEL)?;
             }
             Ok(())
         })?;
@@ -146,7 +226,19 @@ impl KvPanels {
 #[derive(Debug, Clone, Copy)]
 pub(crate) enum Products<'a> {
     Packed(&'a KvPanels),
+    PerTask,
     Strided,
+}
+
+impl<'a> Products<'a> {
+    /// The products for `packing`, reading `kv` where K and V were packed up front.
+    pub fn new(packing: Packing, kv: Option<&'a KvPanels>) -> Self {
+        match (kv, packing) {
+            (Some(kv), _) => Products::Packed(kv),
+            (None, Packing::PerTask) => Products::PerTask,
+            (None, _) => Products::Strided,
+        }
+    }
 }
 
 /// A vector of `n` floats whose chunks of `chunk` are written in parallel by `fill(index,
@@ -178,7 +270,7 @@ impl Products<'_> {
     pub fn key_align(&self) -> usize {
         match self {
             Products::Packed(_) => KEY_PANEL,
-            Products::Strided => 1,
+            Products::PerTask | Products::Strided => 1,
         }
     }
 
@@ -210,6 +302,36 @@ impl Products<'_> {
                 let k = p.k.mat(b, p.kv_head(h), j0, cols, p.dk)?;
                 let mut sm = MatMut::new(s, 0, n, cols, ld)?;
                 matmul(&mut sm, q, k.t(), false, p.score_scale(), Threads::One)
+            }
+            Products::PerTask => {
+                let dk = p.dk;
+                let q = p.q.mat(b, h, i0, n, dk)?;
+                let keys = p.k.mat(b, p.kv_head(h), j0, cols, dk)?;
+                let scale = p.score_scale();
+                with_panel_scratch(dk * TASK_KEY_PANEL, |panel| {
+                    for c0 in (0..cols).step_by(TASK_KEY_PANEL) {
+                        let width = TASK_KEY_PANEL.min(cols - c0);
+                        pack_keys(&keys, (c0, width), scale, slots(panel), TASK_KEY_PANEL)?;
+                        // SAFETY: the micro-kernels run (`PerTask` is chosen only then); `q`
+                        // views n rows of dk floats at stride q.rs (checked by `mat`), the
+                        // panel holds dk x 32 floats, and s n rows of at least `c0 + width`
+                        // columns at stride ld (checked above); s is a distinct buffer.
+                        unsafe {
+                            panel_product::<TASK_KEY_PANEL>(
+                                n,
+                                dk,
+                                q.ptr(),
+                                q.rs,
+                                panel.as_ptr(),
+                                width,
+                                s.as_mut_ptr().add(c0),
+                                ld,
+                                Start::Zero,
+                            )
+                        };
+                    }
+                    Ok(())
+                })
             }
             Products::Packed(kv) => {
                 let g = kv.local(p, b, h)?;
@@ -286,6 +408,40 @@ impl Products<'_> {
                 let pmat = MatRef::new(pm, 0, n, cols, ldp, 1)?;
                 let v = p.v.mat(b, p.kv_head(h), lo, cols, p.dv)?;
                 matmul(o, pmat, v, accumulate, 1.0, Threads::One)
+            }
+            Products::PerTask => {
+                let dv = p.dv;
+                let values = p.v.mat(b, p.kv_head(h), lo, cols, dv)?;
+                let start = if accumulate {
+                    Start::Accumulate
+                } else {
+                    Start::Zero
+                };
+                with_panel_scratch(cols * V_PANEL, |panel| {
+                    for c0 in (0..dv).step_by(V_PANEL) {
+                        let width = V_PANEL.min(dv - c0);
+                        let pad = width.next_multiple_of(16).min(V_PANEL);
+                        pack_values(&values, (c0, width), slots(panel), V_PANEL, pad)?;
+                        // SAFETY: the micro-kernels run; pm holds n rows of `cols` floats at
+                        // stride ldp, the panel `cols` rows of 64 floats (the kernels read at
+                        // most `pad` of them, all written), and o n rows of dv writable
+                        // floats (all checked above); o does not overlap pm or the panel.
+                        unsafe {
+                            panel_product::<V_PANEL>(
+                                n,
+                                cols,
+                                pm.as_ptr(),
+                                ldp,
+                                panel.as_ptr(),
+                                width,
+                                o.as_mut_ptr().add(c0),
+                                o.rs,
+                                start,
+                            )
+                        };
+                    }
+                    Ok(())
+                })
             }
             Products::Packed(kv) => {
                 let g = kv.local(p, b, h)?;
