@@ -412,33 +412,12 @@ impl Products<'_> {
             Products::PerTask => {
                 let dv = p.dv;
                 let values = p.v.mat(b, p.kv_head(h), lo, cols, dv)?;
-                let start = if accumulate {
-                    Start::Accumulate
-                } else {
-                    Start::Zero
-                };
                 with_panel_scratch(cols * V_PANEL, |panel| {
                     for c0 in (0..dv).step_by(V_PANEL) {
                         let width = V_PANEL.min(dv - c0);
                         let pad = width.next_multiple_of(16).min(V_PANEL);
                         pack_values(&values, (c0, width), slots(panel), V_PANEL, pad)?;
-                        // SAFETY: the micro-kernels run; pm holds n rows of `cols` floats at
-                        // stride ldp, the panel `cols` rows of 64 floats (the kernels read at
-                        // most `pad` of them, all written), and o n rows of dv writable
-                        // floats (all checked above); o does not overlap pm or the panel.
-                        unsafe {
-                            panel_product::<V_PANEL>(
-                                n,
-                                cols,
-                                pm.as_ptr(),
-                                ldp,
-                                panel.as_ptr(),
-                                width,
-                                o.as_mut_ptr().add(c0),
-                                o.rs,
-                                start,
-                            )
-                        };
+                        value_panel_product(pm, ldp, n, cols, panel, (c0, width), o, accumulate)?;
                     }
                     Ok(())
                 })
@@ -452,29 +431,67 @@ impl Products<'_> {
                     let panel =
                         kv.v.get(at..at + cols * V_PANEL)
                             .ok_or_else(|| too_small("value panel"))?;
-                    // SAFETY: the micro-kernels run; pm holds n rows of `cols` floats at
-                    // stride ldp, the panel rows lo..lo+cols, and o n rows of dv writable
-                    // floats (all checked above); o does not overlap pm or the panel.
-                    unsafe {
-                        panel_product::<V_PANEL>(
-                            n,
-                            cols,
-                            pm.as_ptr(),
-                            ldp,
-                            panel.as_ptr(),
-                            width,
-                            o.as_mut_ptr().add(q * V_PANEL),
-                            o.rs,
-                            if accumulate {
-                                Start::Accumulate
-                            } else {
-                                Start::Zero
-                            },
-                        )
-                    };
+                    value_panel_product(
+                        pm,
+                        ldp,
+                        n,
+                        cols,
+                        panel,
+                        (q * V_PANEL, width),
+                        o,
+                        accumulate,
+                    )?;
                 }
                 Ok(())
             }
         }
     }
+}
+
+/// `o[.., c0..c0 + width] (=|+=) P V` for one V panel: `P` the `(n, cols)` rows of `pm` at
+/// stride `ldp`, the panel `cols` rows of [`V_PANEL`] floats.
+#[allow(clippy::too_many_arguments)]
+fn value_panel_product(
+    pm: &[f32],
+    ldp: usize,
+    n: usize,
+    cols: usize,
+    panel: &[f32],
+    (c0, width): (usize, usize),
+    o: &mut MatMut<'_>,
+    accumulate: bool,
+) -> Result<()> {
+    if n == 0 {
+        return Ok(());
+    }
+    if pm.len() < (n - 1) * ldp + cols
+        || panel.len() < cols * V_PANEL
+        || width > V_PANEL
+        || o.rows < n
+        || c0 + width > o.cols
+    {
+        return Err(too_small("value panel"));
+    }
+    // SAFETY: the micro-kernels run (panels exist only then); pm holds n rows of `cols` floats
+    // at stride ldp, the panel `cols` rows of 64 floats (zero past `width` as far as the
+    // kernels read), and o n rows with columns c0..c0 + width writable (all checked above); o
+    // does not overlap pm or the panel.
+    unsafe {
+        panel_product::<V_PANEL>(
+            n,
+            cols,
+            pm.as_ptr(),
+            ldp,
+            panel.as_ptr(),
+            width,
+            o.as_mut_ptr().add(c0),
+            o.rs,
+            if accumulate {
+                Start::Accumulate
+            } else {
+                Start::Zero
+            },
+        )
+    };
+    Ok(())
 }
