@@ -65,14 +65,15 @@ pub(crate) fn run(
     out: &OutOperand<'_>,
     mode: WeightsMode<'_>,
 ) -> Result<Option<Vec<f32>>> {
-    // Packing K and V into micro-kernel panels costs a pass over them per call; it pays when
-    // the packed keys are reused by many query rows. On AVX-512 the `gemm` crate on the
-    // strided heads was measured 10-15% faster with one tile of keys (bench at seq 32, 128
-    // and 512), the panels ~12% faster at seq_k 4096. On AVX2 + FMA (AMD Zen 3, attention
+    // Packing K and V up front into micro-kernel panels costs a pass over them per call; it
+    // pays when the packed keys are reused by many query rows. On AVX-512 the `gemm` crate on
+    // the strided heads was measured 10-15% faster with one tile of keys (bench at seq 32,
+    // 128 and 512), the panels ~12% faster at seq_k 4096. On AVX2 + FMA (AMD Zen 3, attention
     // alone, 12 heads of 64, builds alternating, median of the per-round time ratios) the
-    // panels took 1.56x the gemm crate's time at seq 32, 1.11x at 128, 1.01x at 256, 0.95x
-    // at 384 and at 512 (0.92x with the weights returned); packing per task instead of up
-    // front was no faster at seq 32 and 128 and 3% slower at 512.
+    // up-front panels took 1.56x the gemm crate's time at seq 32, 1.11x at 128, 1.01x at
+    // 256, 0.95x at 384 and at 512 (0.92x with the weights returned). Few keys instead go to
+    // panels each task packs for itself (32-key K panels, 8 x 8 transposes), which beat the
+    // gemm crate up to 64 keys ([`tile_products::PER_TASK_MAX_KEYS`]).
     let min_keys = if microkernel::avx512() {
         PACK_MIN_KEYS_AVX512
     } else {
