@@ -231,11 +231,13 @@ pub(crate) enum Products<'a> {
 }
 
 impl<'a> Products<'a> {
-    /// The products for `packing`, reading `kv` where K and V were packed up front.
+    /// The products for `packing`, reading `kv` where K and V were packed up front. Per-task
+    /// panels fall back to the `gemm` crate on a CPU without micro-kernels, so that
+    /// [`Products::PerTask`] (whose products call them unchecked) never exists there.
     pub fn new(packing: Packing, kv: Option<&'a KvPanels>) -> Self {
         match (kv, packing) {
             (Some(kv), _) => Products::Packed(kv),
-            (None, Packing::PerTask) => Products::PerTask,
+            (None, Packing::PerTask) if microkernel::available() => Products::PerTask,
             (None, _) => Products::Strided,
         }
     }
@@ -312,10 +314,11 @@ impl Products<'_> {
                     for c0 in (0..cols).step_by(TASK_KEY_PANEL) {
                         let width = TASK_KEY_PANEL.min(cols - c0);
                         pack_keys(&keys, (c0, width), scale, slots(panel), TASK_KEY_PANEL)?;
-                        // SAFETY: the micro-kernels run (`PerTask` is chosen only then); `q`
-                        // views n rows of dk floats at stride q.rs (checked by `mat`), the
-                        // panel holds dk x 32 floats, and s n rows of at least `c0 + width`
-                        // columns at stride ld (checked above); s is a distinct buffer.
+                        // SAFETY: the micro-kernels run (`Products::new` makes `PerTask` only
+                        // then); `q` views n rows of dk floats at stride q.rs (checked by
+                        // `mat`), the panel holds dk x 32 floats, and s n rows of at least
+                        // `c0 + width` columns at stride ld (checked above); s is a distinct
+                        // buffer.
                         unsafe {
                             panel_product::<TASK_KEY_PANEL>(
                                 n,
