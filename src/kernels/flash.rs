@@ -5,8 +5,9 @@
 //!
 //! Tasks are `(batch, head, query block)`, run in parallel on the rayon pool, heaviest
 //! first. Causal masks end each task's key loop at the diagonal (blocks above it are never
-//! computed); on the tiles that cross it, each row's softmax runs over the keys that row
-//! sees, as an unmasked row (the keys past them get weight 0, with no mask pass). Padding
+//! computed); on the tiles that cross it, both products run by groups of rows, each group
+//! over the keys its last row sees, and each row's softmax over the keys that row sees, as
+//! an unmasked row (the keys past them get weight 0, with no mask pass). Padding
 //! ranges skip the padded keys.
 //! When the keys fit in one tile (up to 512) the task computes the whole softmax at once,
 //! with the same code as the weights kernel, so both paths give the same bits.
@@ -175,9 +176,13 @@ fn task(
         while j0 < end {
             let hi = (j0 + blocks.k).min(end);
             let lo = first.max(j0);
-            // S = scale log2(e) Q K^T for keys j0..hi, (n, hi - j0) at stride ld (base 2)
-            prods.scores(p, b, h, i0, n, (j0, hi), s, ld)?;
             let (off, cols) = (lo - j0, hi - lo);
+            // S = scale log2(e) Q K^T for keys j0..hi, (n, hi - j0) at stride ld (base 2); on
+            // a tile that crosses the causal diagonal, each group of rows up to the keys its
+            // last row sees (the columns past them are never read unmasked).
+            for (r, rows, seen) in row_groups(p, i0, n, lo, cols) {
+                prods.scores(p, b, h, i0 + r, rows, (j0, lo + seen), &mut s[r * ld..], ld)?;
+            }
             // A causal cut alone (no other mask) leaves each row a prefix of the tile's keys:
             // the keys past it get weight 0 and the prefix is an unmasked row.
             let cut = !masked_parts && p.causal_cuts(i0, lo, cols);
@@ -242,21 +247,10 @@ fn task(
             }
             // acc += P V, (n, dv); on a tile that crosses the causal diagonal, by groups of
             // rows, each over the keys its last row can see (the weights past them are 0).
-            let group = if p.causal_cuts(i0, lo, cols) {
-                DIAGONAL_ROWS
-            } else {
-                n
-            };
-            let mut r = 0;
-            while r < n {
-                let rows = group.min(n - r);
-                let seen = p.causal_visible_keys(i0 + r + rows - 1, lo, cols);
-                if seen > 0 {
-                    let mut accm = MatMut::new(acc, r * dv, rows, dv, dv)?;
-                    let pm = &s[r * ld + off..];
-                    prods.weighted_values(p, b, h, pm, ld, rows, (lo, seen), &mut accm, true)?;
-                }
-                r += rows;
+            for (r, rows, seen) in row_groups(p, i0, n, lo, cols) {
+                let mut accm = MatMut::new(acc, r * dv, rows, dv, dv)?;
+                let pm = &s[r * ld + off..];
+                prods.weighted_values(p, b, h, pm, ld, rows, (lo, seen), &mut accm, true)?;
             }
             j0 = hi;
         }
@@ -272,5 +266,28 @@ fn task(
             }
         }
         Ok(())
+    })
+}
+
+/// The groups of rows `(first row, rows, keys seen)` of queries `i0..i0 + n` on the tile of
+/// keys `lo..lo + cols`: all rows at once over every key, unless the causal diagonal crosses
+/// the tile; then groups of [`DIAGONAL_ROWS`], each over the keys its last row sees (groups
+/// that see none are left out).
+fn row_groups<'a>(
+    p: &'a Problem<'_>,
+    i0: usize,
+    n: usize,
+    lo: usize,
+    cols: usize,
+) -> impl Iterator<Item = (usize, usize, usize)> + 'a {
+    let group = if p.causal_cuts(i0, lo, cols) {
+        DIAGONAL_ROWS
+    } else {
+        n.max(1)
+    };
+    (0..n).step_by(group).filter_map(move |r| {
+        let rows = group.min(n - r);
+        let seen = p.causal_visible_keys(i0 + r + rows - 1, lo, cols);
+        (seen > 0).then_some((r, rows, seen))
     })
 }
