@@ -114,10 +114,14 @@ pub(crate) fn depth_blocks(
     start: Start,
     mut f: impl FnMut(usize, usize, Start),
 ) {
+    // Blocks of equal depth (within one), not full blocks and a short last one.
+    let blocks = k.div_ceil(block.max(1)).max(1);
     let mut k0 = 0;
     let mut start = start;
+    let mut i = 0;
     loop {
-        let kc = block.min(k - k0);
+        let kc = (k * (i + 1)) / blocks - k0;
+        i += 1;
         f(k0, kc, start);
         k0 += kc;
         start = Start::Accumulate;
