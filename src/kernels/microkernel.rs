@@ -18,7 +18,7 @@ use std::arch::x86_64::*;
 
 use super::microkernel_avx2;
 
-/// Depth of one pass over a panel (128 x 64 floats = 32 KiB at most).
+/// Most depth of one pass over a panel (128 x 64 floats = 32 KiB), in equal blocks.
 #[cfg(target_arch = "x86_64")]
 const KC: usize = 128;
 

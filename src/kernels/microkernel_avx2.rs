@@ -8,11 +8,10 @@
 //! 6, every broadcast 2), a 32-column panel (per-task K^T) as two strips of 16. Both tiles
 //! hold 12 accumulators, enough to cover the multiply-add latency on two pipes; `4 x 24`
 //! measured 1-10% faster than `6 x 16` on the 48-column panels (bench at seq 32-512, AMD
-//! Zen 3). The depth is split in blocks of
-//! [`KC`] so that a block of the panel stays in L1 while the row groups go by. Edge
-//! columns (a narrower last panel) use masked loads and stores of `c` and the bias; the
-//! panel is read in whole registers, up to the next multiple of 8 past `width` (its zero
-//! padding).
+//! Zen 3). The depth is split in equal blocks of at most [`KC`] so that a block of the
+//! panel stays in L1 while the row groups go by. Edge columns (a narrower last panel) use
+//! masked loads and stores of `c` and the bias; the panel is read in whole registers, up to
+//! the next multiple of 8 past `width` (its zero padding).
 
 #[cfg(target_arch = "x86_64")]
 use std::arch::x86_64::*;
@@ -21,7 +20,8 @@ use std::arch::x86_64::*;
 use super::microkernel::depth_blocks;
 use super::microkernel::Start;
 
-/// Depth of one pass over a panel (96 x 64 floats = 24 KiB at most, within a 32 KiB L1).
+/// Most depth of one pass over a panel (96 x 64 floats = 24 KiB, within a 32 KiB L1);
+/// [`depth_blocks`] splits a longer depth in equal blocks (240 as 3 x 80).
 /// Measured single-thread on AMD Zen 3, depths interleaved in one process, best of 60: the
 /// sentence-scale projection `32 x 384 x 1152` ran at 86.5-88.5 GFLOP/s with 96 against
 /// 85-86 (128), 81 (192) and 80-81 (384, the whole depth, the accumulators loaded once);
