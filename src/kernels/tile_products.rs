@@ -19,7 +19,7 @@ use super::matrix::{matmul, MatMut, MatRef, Threads};
 use super::microkernel;
 use super::microkernel::{panel_product, Start};
 use super::problem::Problem;
-use super::scratch::with_panel_scratch;
+use super::scratch::{with_panel_scratch, CallBuffer};
 use super::transpose;
 use crate::error::{Error, Result};
 
@@ -160,9 +160,9 @@ pub(crate) struct KvPanels {
     nv: usize,
     /// Group `g`, panel `i`: `(dk, 48)` row-major at `((g * nk + i) * dk) * 48`, times
     /// [`Problem::score_scale`]; the columns past the last key are 0.
-    k: Vec<f32>,
+    k: CallBuffer,
     /// Group `g`, panel `q`: `(seq_k, 64)` row-major at `((g * nv + q) * seq_k) * 64`.
-    v: Vec<f32>,
+    v: CallBuffer,
 }
 
 impl KvPanels {
@@ -243,14 +243,14 @@ impl<'a> Products<'a> {
     }
 }
 
-/// A vector of `n` floats whose chunks of `chunk` are written in parallel by `fill(index,
-/// chunk)`, which must write every element of its chunk.
+/// A vector of `n` floats (reusing an earlier call's buffer) whose chunks of `chunk` are
+/// written in parallel by `fill(index, chunk)`, which must write every element of its chunk.
 fn filled(
     n: usize,
     chunk: usize,
     fill: impl Fn(usize, &mut [MaybeUninit<f32>]) -> Result<()> + Sync,
-) -> Result<Vec<f32>> {
-    let mut out: Vec<f32> = Vec::with_capacity(n);
+) -> Result<CallBuffer> {
+    let mut out = CallBuffer::with_capacity(n);
     if chunk > 0 {
         out.spare_capacity_mut()[..n]
             .par_chunks_mut(chunk)
