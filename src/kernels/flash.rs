@@ -16,7 +16,7 @@
 //! moves only when a tile's scores rise more than [`LAZY_HEADROOM`] above it (on a tile that
 //! a mask cuts, as soon as they rise above it). So the rescaling factor is an exact power of
 //! two and almost never needed, and an unmasked tile takes one pass per row
-//! ([`simd::exp2_shifted_sum_bounded`]: the powers, their sum and the bounds together)
+//! ([`simd::exp2_shifted_sum_bounded`]: the powers, their sum and the range check together)
 //! instead of a maximum pass, a power pass and a rescaling of the accumulator. A row the
 //! one pass refuses has its scores computed again and takes the full path.
 
@@ -36,10 +36,11 @@ use crate::error::Result;
 /// micro-kernels' 4 and 6 rows).
 const DIAGONAL_ROWS: usize = 24;
 
-/// How far (base-2 units) a tile's scores may rise above a row's reference before the
-/// reference moves: the tiles in between add weights of up to `2^8 = 256` instead of 1,
-/// which f32 carries with the same relative precision, and the accumulator is rescaled
-/// only when a row's scores jump by more (rare after the first tile).
+/// How far (base-2 units, rounded to the nearest integer) a tile's scores may rise above a
+/// row's reference before the reference moves: the tiles in between add weights of up to
+/// `2^8.5 ~ 362` instead of 1, which f32 carries with the same relative precision, and the
+/// accumulator is rescaled only when a row's scores jump by more (rare after the first
+/// tile). The one pass then takes scores down to `127 - 8 = 119` units below the reference.
 const LAZY_HEADROOM: f32 = 8.0;
 
 /// Packed K and V above this size are packed one key/value head at a time (the heads then
@@ -216,8 +217,11 @@ fn task(
                         // The pass overwrote the row: its scores again, for the full pass.
                         prods.scores(p, b, h, i0 + r, 1, (j0, lo + seen), &mut s[r * ld..], ld)?;
                         let row = &s[r * ld + off..r * ld + off + seen];
+                        // Wide: spanning more than the one pass's window below the
+                        // reference the row will have.
                         let low = row.iter().fold(f32::INFINITY, |a, &b| a.min(b));
-                        if low < m[r].max(simd::row_max(row)) + simd::EXP2_FLUSH {
+                        let floor = LAZY_HEADROOM - simd::ONE_PASS_SPAN;
+                        if low < m[r].max(simd::row_max(row)) + floor {
                             wide[r] = 1.0;
                         }
                     }

@@ -85,7 +85,9 @@ pub(crate) fn softmax_block(
         let one_pass = if masked {
             None
         } else {
-            simd::exp2_shifted_sum_bounded(row, m, 0.0)
+            // `m` is the row maximum: no score is above it, and the one pass takes scores
+            // down to `127 - 2 = 125` units below it.
+            simd::exp2_shifted_sum_bounded(row, m, 2.0)
         };
         let sum = match one_pass {
             Some(sum) => sum,

@@ -20,7 +20,7 @@ use std::sync::OnceLock;
 
 /// Below this, `exp2` returns exactly 0 (`2^-125 ~ 2.4e-38`; the smallest normal f32 is
 /// `2^-126`, and `2^n 2^r` with `n >= -125` is always normal).
-pub(crate) const EXP2_FLUSH: f32 = -125.0;
+const EXP2_FLUSH: f32 = -125.0;
 /// From this up, `exp2` is `+inf` (the largest f32 is just under `2^128`).
 const EXP2_MAX: f32 = 128.0;
 /// 1.5 * 2^23: for |x| < 2^22, `x + MAGIC` is an f32 in [2^23, 2^24) (spacing 1), so the
@@ -129,55 +129,57 @@ pub(crate) fn exp2_shifted_sum(x: &mut [f32], m: f32) -> f32 {
 const FOLDED_REFERENCE: f32 = 1_048_576.0;
 
 /// `x[j] = 2^(x[j] - m)` for every `j` and the sum of the new values, for a finite
-/// reference `m` that the scores may exceed by up to `limit` (`0 <= limit <= 126`): the
-/// row maximum (`limit` 0), or the lazy reference of the tiled softmax, which only moves
-/// when a row's scores outgrow it. NaN elements give NaN.
+/// reference `m` that the scores may exceed by up to `limit` (an integer in `[2, 126]`): the
+/// row maximum, or the lazy reference of the tiled softmax, which only moves when a row's
+/// scores outgrow it.
 ///
-/// Returns `None` when some `x[j] > m + limit`, or when this CPU's version cannot compute
-/// the row as [`exp2_shifted_sum`] would (the AVX2 version needs every `x[j] - m` within
-/// `[-125, 126]`, the range where `2^n` is one shift and one exact multiply, with no
-/// flush); the caller then recomputes the row's scores and takes [`exp2_shifted_sum`].
-/// After `None`, `x` holds unspecified values.
+/// Returns `None` when some `x[j] - m`, rounded to the nearest integer, is above `limit`
+/// (the versions without a one pass compare `x[j]` with `m + limit` itself, so they may
+/// refuse up to half a unit lower), or when this CPU's version cannot compute the row as
+/// [`exp2_shifted_sum`] would: the AVX2 version's powers are one shift and one exact
+/// multiply, with no flush, for a window of 128 exponents, so it also refuses rows where
+/// some `x[j] - m` rounds below `limit - 127`, and rows with NaN or infinite elements. The
+/// caller then recomputes the row's scores and takes [`exp2_shifted_sum`]. After `None`,
+/// `x` holds unspecified values. Elsewhere NaN elements give NaN.
 ///
 /// On AVX2 + FMA this is one pass: the power takes 10 vector operations per 8 elements (11
-/// when `m` is subtracted) and the bounds 2 more, where [`exp2_shifted_sum`] takes 14 after
-/// a separate [`row_max`] pass. For an integer `m` (`|m| <= 2^20`) the reduction takes
-/// `x[j]` itself, so `x[j] - m` is never rounded; otherwise it takes `x[j] - m` rounded to
-/// f32, as [`exp2_shifted_sum`] does (the row maximum then gives exactly 1). Elsewhere it
-/// is the two passes.
+/// when `m` is subtracted) and the check 2 integer ones, where [`exp2_shifted_sum`] takes
+/// 14 after a separate [`row_max`] pass. For an integer `m` (`|m| <= 2^20`) the reduction
+/// takes `x[j]` itself, so `x[j] - m` is never rounded; otherwise it takes `x[j] - m`
+/// rounded to f32, as [`exp2_shifted_sum`] does (the row maximum then gives exactly 1).
+/// Elsewhere it is the two passes.
 pub(crate) fn exp2_shifted_sum_bounded(x: &mut [f32], m: f32, limit: f32) -> Option<f32> {
     // SAFETY: `isa()` is what this CPU has.
     unsafe { exp2_shifted_sum_bounded_on(isa(), x, m, limit) }
 }
+
+/// Exponents in the AVX2 one pass's window: [`exp2_shifted_sum_bounded`] refuses rows
+/// with some `x[j] - m` rounding below `limit - ONE_PASS_SPAN`.
+pub(crate) const ONE_PASS_SPAN: f32 = 127.0;
 
 /// [`exp2_shifted_sum_bounded`] with the given instruction set.
 ///
 /// # Safety
 /// The CPU supports `isa`.
 unsafe fn exp2_shifted_sum_bounded_on(isa: Isa, x: &mut [f32], m: f32, limit: f32) -> Option<f32> {
-    if !(m.is_finite() && (0.0..=126.0).contains(&limit)) {
+    if !(m.is_finite() && (2.0..=126.0).contains(&limit) && limit.fract() == 0.0) {
         return None;
     }
     #[cfg(target_arch = "x86_64")]
     if isa == Isa::Avx2 {
         // An integer within the range (the conversion truncates) is folded into the
-        // rounding constant; the bounds are then those of `x` around `m` (exact: `m - 125`
-        // and `m + limit` are integers below 2^21), else those of `x - m` as computed.
+        // rounding constant.
         let folded = m.abs() <= FOLDED_REFERENCE && (m as i32) as f32 == m;
-        // SAFETY: the CPU has AVX2 and FMA (the caller's contract); `m` is an integer
-        // with |m| <= 2^20 when folded.
-        let (sum, max, min, lo, hi) = unsafe {
+        // SAFETY: the CPU has AVX2 and FMA (the caller's contract); `limit` is an integer
+        // in [2, 126]; `m` is an integer with |m| <= 2^20 when folded.
+        let (sum, in_window) = unsafe {
             if folded {
-                let (sum, max, min) = exp2_in_range_sum_avx2::<false>(x, m);
-                (sum, max, min, m + EXP2_FLUSH, m + limit)
+                exp2_window_sum_avx2::<false>(x, m, limit as i32)
             } else {
-                let (sum, max, min) = exp2_in_range_sum_avx2::<true>(x, m);
-                (sum, max, min, EXP2_FLUSH, limit)
+                exp2_window_sum_avx2::<true>(x, m, limit as i32)
             }
         };
-        // NaN elements are not counted in the bounds; they came out NaN and made the sum
-        // NaN.
-        return (x.is_empty() || (min >= lo && max <= hi)).then_some(sum);
+        return in_window.then_some(sum);
     }
     let max = match isa {
         #[cfg(target_arch = "x86_64")]
@@ -468,33 +470,41 @@ unsafe fn exp2_shifted_sum_avx2(x: &mut [f32], m: f32) -> f32 {
 ///   shifted left by 23 are those of `2^n`, a normal f32, and `2^r 2^n` is one exact
 ///   multiply (NaN lanes stay NaN through it).
 ///
-/// No compare, mask or flush: lanes outside the range give unspecified values, so callers
-/// check the bounds of the inputs ([`exp2_in_range_sum_avx2`]).
+/// Returns the power and `t`'s bits. No compare, mask or flush: lanes outside the range give
+/// unspecified values, so callers check `t` ([`exp2_window_sum_avx2`]).
 #[cfg(target_arch = "x86_64")]
 #[inline]
 #[target_feature(enable = "avx2,fma")]
-unsafe fn exp2_in_range_avx2(x: __m256, c: __m256) -> __m256 {
+unsafe fn exp2_in_range_avx2(x: __m256, c: __m256) -> (__m256, __m256i) {
     let t = _mm256_add_ps(x, c);
     let r = _mm256_sub_ps(x, _mm256_sub_ps(t, c));
     let y = pow2_fraction!(_mm256_fmadd_ps, _mm256_set1_ps, r);
-    _mm256_mul_ps(
-        y,
-        _mm256_castsi256_ps(_mm256_slli_epi32::<23>(_mm256_castps_si256(t))),
+    let bits = _mm256_castps_si256(t);
+    (
+        _mm256_mul_ps(y, _mm256_castsi256_ps(_mm256_slli_epi32::<23>(bits))),
+        bits,
     )
 }
 
 /// `x[j] = 2^(x[j] - m)` with [`exp2_in_range_avx2`] in one pass; returns the sum of the new
-/// values and the largest and smallest reduced input (NaN inputs left out of both; `-inf`,
-/// `+inf` for an empty row). The reduced input is `x[j] - m` rounded to f32 when `SHIFT`
-/// (as [`exp2_shifted_sum`] computes it), else `x[j]` itself with `m` folded into the
-/// rounding constant. The powers are right only if the bounds are within `[-125, 126]`
-/// (`SHIFT`) or `[m - 125, m + 126]`.
+/// values and whether every power is right: whether the reduced input of every element
+/// rounds to an integer `n` within `[top - 127, top]` (never true for NaN or infinite
+/// inputs; true for an empty row). The reduced input is `x[j] - m` rounded to f32 when
+/// `SHIFT` (as [`exp2_shifted_sum`] computes it), else `x[j]` itself with `m` folded into
+/// the rounding constant.
+///
+/// The check costs two integer operations per 8 elements: `t`'s bits are those of `MAGIC`
+/// plus `127 + n`, so `n` is in the window when they exceed those of `MAGIC` plus `top` by
+/// 0 to 127, and one OR collects, for the whole row, whether any lane has a bit from 7 up.
+/// (A minimum and a maximum of the inputs, as FP operations, took ~30% longer on AMD Zen 3:
+/// they compete with the polynomial for the same pipes.)
 ///
 /// # Safety
-/// The CPU has AVX2 and FMA; without `SHIFT`, `m` is an integer with `|m| <= 2^20`.
+/// The CPU has AVX2 and FMA; `2 <= top <= 126`; without `SHIFT`, `m` is an integer with
+/// `|m| <= 2^20`.
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx2,fma")]
-unsafe fn exp2_in_range_sum_avx2<const SHIFT: bool>(x: &mut [f32], m: f32) -> (f32, f32, f32) {
+unsafe fn exp2_window_sum_avx2<const SHIFT: bool>(x: &mut [f32], m: f32, top: i32) -> (f32, bool) {
     let n = x.len();
     let p = x.as_mut_ptr();
     let (c, vm) = if SHIFT {
@@ -503,53 +513,41 @@ unsafe fn exp2_in_range_sum_avx2<const SHIFT: bool>(x: &mut [f32], m: f32) -> (f
         (_mm256_set1_ps(MAGIC + 127.0 - m), _mm256_setzero_ps())
     };
     let reduce = |v: __m256| if SHIFT { _mm256_sub_ps(v, vm) } else { v };
+    // MAGIC's bits plus `top` (MAGIC is 1.5 * 2^23: its bits are far from overflowing).
+    let base = _mm256_set1_epi32(MAGIC.to_bits() as i32 + top);
     let mut sum0 = _mm256_setzero_ps();
     let mut sum1 = _mm256_setzero_ps();
-    let mut max = _mm256_set1_ps(f32::NEG_INFINITY);
-    let mut min = _mm256_set1_ps(f32::INFINITY);
+    let mut out0 = _mm256_setzero_si256();
+    let mut out1 = _mm256_setzero_si256();
     let mut i = 0;
     while i + 16 <= n {
-        let v0 = reduce(_mm256_loadu_ps(p.add(i)));
-        let v1 = reduce(_mm256_loadu_ps(p.add(i + 8)));
-        let e0 = exp2_in_range_avx2(v0, c);
-        let e1 = exp2_in_range_avx2(v1, c);
+        let (e0, t0) = exp2_in_range_avx2(reduce(_mm256_loadu_ps(p.add(i))), c);
+        let (e1, t1) = exp2_in_range_avx2(reduce(_mm256_loadu_ps(p.add(i + 8))), c);
         _mm256_storeu_ps(p.add(i), e0);
         _mm256_storeu_ps(p.add(i + 8), e1);
         sum0 = _mm256_add_ps(sum0, e0);
         sum1 = _mm256_add_ps(sum1, e1);
-        // max/min return their second operand when either is NaN: a NaN input leaves
-        // the bounds as they are.
-        max = _mm256_max_ps(v0, _mm256_max_ps(v1, max));
-        min = _mm256_min_ps(v0, _mm256_min_ps(v1, min));
+        out0 = _mm256_or_si256(out0, _mm256_sub_epi32(t0, base));
+        out1 = _mm256_or_si256(out1, _mm256_sub_epi32(t1, base));
         i += 16;
     }
     while i < n {
         // The last (up to 15) elements with masked loads and stores; the lanes past the
-        // row count neither in the sum nor in the bounds.
+        // row count neither in the sum nor in the check.
         let mask = first_lanes(n - i);
-        let live = _mm256_castsi256_ps(mask);
-        let v = reduce(_mm256_maskload_ps(p.add(i), mask));
-        let e = exp2_in_range_avx2(v, c);
+        let (e, t) = exp2_in_range_avx2(reduce(_mm256_maskload_ps(p.add(i), mask)), c);
         _mm256_maskstore_ps(p.add(i), mask, e);
-        sum0 = _mm256_add_ps(sum0, _mm256_and_ps(e, live));
-        max = _mm256_max_ps(
-            _mm256_blendv_ps(_mm256_set1_ps(f32::NEG_INFINITY), v, live),
-            max,
-        );
-        min = _mm256_min_ps(
-            _mm256_blendv_ps(_mm256_set1_ps(f32::INFINITY), v, live),
-            min,
-        );
+        sum0 = _mm256_add_ps(sum0, _mm256_and_ps(e, _mm256_castsi256_ps(mask)));
+        out0 = _mm256_or_si256(out0, _mm256_and_si256(_mm256_sub_epi32(t, base), mask));
         i += 8;
     }
     let mut lanes = [0f32; 8];
     _mm256_storeu_ps(lanes.as_mut_ptr(), _mm256_add_ps(sum0, sum1));
     let sum = lanes.iter().sum::<f32>();
-    _mm256_storeu_ps(lanes.as_mut_ptr(), max);
-    let hi = lanes.iter().fold(f32::NEG_INFINITY, |a, &b| a.max(b));
-    _mm256_storeu_ps(lanes.as_mut_ptr(), min);
-    let lo = lanes.iter().fold(f32::INFINITY, |a, &b| a.min(b));
-    (sum, hi, lo)
+    let mut bits = [0i32; 8];
+    _mm256_storeu_si256(bits.as_mut_ptr().cast(), _mm256_or_si256(out0, out1));
+    let outside = bits.iter().fold(0, |a, &b| a | b) & !127;
+    (sum, outside == 0)
 }
 
 #[cfg(target_arch = "x86_64")]
@@ -711,10 +709,10 @@ mod tests {
                 1e7,
             ];
             for m in refs {
-                // From the flush point up to the headroom, at steps that are not fractions
-                // of a power of two (every rounding case of the reduction).
+                // From the one pass's floor up to the headroom, at steps that are not
+                // fractions of a power of two (every rounding case of the reduction).
                 let x: Vec<f32> = (0..1000)
-                    .map(|i| m - 125.0 + i as f32 * 0.133)
+                    .map(|i| m + 8.0 - ONE_PASS_SPAN + i as f32 * 0.133)
                     .filter(|&v| v <= m + 8.0)
                     .collect();
                 let mut e = x.clone();
@@ -727,16 +725,28 @@ mod tests {
                     (sum as f64 - want).abs() <= 1e-6 * want,
                     "{isa:?}: sum {sum} vs {want}"
                 );
-                // Past the headroom: refused.
-                let mut above = x.clone();
-                above[17] = m + 16.0;
-                assert_eq!(run(&mut above, m, 8.0), None, "{isa:?}: m {m}");
+                // Past the headroom (rounded): refused.
+                for past in [9.0, 16.0, 1e6] {
+                    let mut above = x.clone();
+                    above[17] = m + past;
+                    assert_eq!(run(&mut above, m, 8.0), None, "{isa:?}: m {m} + {past}");
+                }
             }
-            // Below the flush point: the AVX2 pass refuses the row; the others flush.
+            // Between the flush point and the floor of a one pass with headroom 8: the AVX2
+            // pass refuses the row with that headroom and takes it with headroom 2; below
+            // the flush point it refuses it whatever the headroom. The others flush.
             let mut low: Vec<f32> = (0..37).map(|i| -(i as f32) * 0.5).collect();
+            low[30] = -122.0;
+            let mut e = low.clone();
+            assert_eq!(run(&mut e, 0.0, 8.0).is_none(), one_pass(isa), "{isa:?}");
+            let mut e = low.clone();
+            let sum = run(&mut e, 0.0, 2.0).unwrap_or_else(|| panic!("{isa:?}"));
+            close(isa, -122.0, 0.0, e[30]);
+            let want: f32 = low.iter().map(|&v| exp2(v)).sum();
+            assert!((sum - want).abs() <= 1e-6 * want, "{isa:?}");
             low[30] = -400.0;
             let mut e = low.clone();
-            match run(&mut e, 0.0, 0.0) {
+            match run(&mut e, 0.0, 2.0) {
                 None => assert!(one_pass(isa), "{isa:?}"),
                 Some(sum) => {
                     assert_eq!(e[30], 0.0, "{isa:?}");
@@ -744,44 +754,65 @@ mod tests {
                     assert!((sum - want).abs() <= 1e-6 * want, "{isa:?}");
                 }
             }
-            // NaN elements come out NaN, and so does the sum; the others are right.
+            // NaN elements: the AVX2 pass refuses the row; the others give NaN for them and
+            // for the sum, and the right powers for the rest. Infinite ones: refused, except
+            // `-inf` by the versions that flush (a power of 0).
             let mut nan: Vec<f32> = (0..37).map(|i| -(i as f32) * 0.5).collect();
             nan[5] = f32::NAN;
             nan[33] = f32::from_bits(0x7FC0_01FF);
             let mut e = nan.clone();
-            let sum = run(&mut e, 0.0, 0.0).unwrap_or_else(|| panic!("{isa:?}"));
-            assert!(sum.is_nan() && e[5].is_nan() && e[33].is_nan(), "{isa:?}");
-            for (j, (&v, &got)) in nan.iter().zip(&e).enumerate() {
-                if j != 5 && j != 33 {
-                    close(isa, v, 0.0, got);
+            match run(&mut e, 0.0, 2.0) {
+                None => assert!(one_pass(isa), "{isa:?}"),
+                Some(sum) => {
+                    assert!(sum.is_nan() && e[5].is_nan() && e[33].is_nan(), "{isa:?}");
+                    for (j, (&v, &got)) in nan.iter().zip(&e).enumerate() {
+                        if j != 5 && j != 33 {
+                            close(isa, v, 0.0, got);
+                        }
+                    }
                 }
             }
-            // A reference it cannot take leaves the row as it was.
+            for (inf, refused) in [(f32::INFINITY, true), (f32::NEG_INFINITY, one_pass(isa))] {
+                let mut e: Vec<f32> = (0..20).map(|i| -(i as f32)).collect();
+                e[11] = inf;
+                let got = run(&mut e, 0.0, 2.0);
+                assert_eq!(got.is_none(), refused, "{isa:?}: {inf}");
+                if got.is_some() {
+                    assert_eq!(e[11], 0.0, "{isa:?}");
+                }
+            }
+            // A reference or headroom it cannot take leaves the row as it was.
             for (m, limit) in [
-                (f32::NAN, 0.0),
-                (f32::INFINITY, 0.0),
+                (f32::NAN, 2.0),
+                (f32::INFINITY, 2.0),
                 (0.0, 127.0),
+                (0.0, 1.0),
+                (0.0, 2.5),
                 (0.0, -1.0),
             ] {
                 let mut e = low.clone();
                 assert_eq!(run(&mut e, m, limit), None, "{isa:?}: {m} {limit}");
                 assert_eq!(e, low);
             }
-            // Every length: nothing written past the row, the sum counts only the row.
-            for len in 0..40 {
-                let mut buf: Vec<f32> = (0..48).map(|i| -(i as f32) * 0.25).collect();
-                let sum = run(&mut buf[..len], 0.0, 0.0).unwrap_or_else(|| panic!("{len}"));
-                let mut want = 0.0;
-                for (j, &g) in buf[..len].iter().enumerate() {
-                    close(isa, -(j as f32) * 0.25, 0.0, g);
-                    want += g;
-                }
-                assert!(
-                    (sum - want).abs() <= 1e-6 * want.max(1.0),
-                    "{isa:?}: len {len}"
-                );
-                for (j, &v) in buf.iter().enumerate().skip(len) {
-                    assert_eq!(v, -(j as f32) * 0.25, "{isa:?}: len {len}: past the row");
+            // Every length: nothing written past the row, the sum counts only the row (the
+            // lanes past it are outside the window for m = 200: they must not count there
+            // either).
+            for m in [0.0f32, 200.0] {
+                for len in 0..40 {
+                    let mut buf: Vec<f32> = (0..48).map(|i| m - (i as f32) * 0.25).collect();
+                    let sum = run(&mut buf[..len], m, 2.0).unwrap_or_else(|| panic!("{m} {len}"));
+                    let mut want = 0.0;
+                    for (j, &g) in buf[..len].iter().enumerate() {
+                        close(isa, m - (j as f32) * 0.25, m, g);
+                        want += g;
+                    }
+                    assert!(
+                        (sum - want).abs() <= 1e-6 * want.max(1.0),
+                        "{isa:?}: len {len}"
+                    );
+                    for (j, &v) in buf.iter().enumerate().skip(len) {
+                        assert_eq!(v, m - (j as f32) * 0.25, "{isa:?}: len {len}: past the row");
+                    }
                 }
             }
         }
