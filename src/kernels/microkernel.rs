@@ -19,8 +19,8 @@ use std::arch::x86_64::*;
 
 use super::microkernel_avx2;
 
-/// Most depth of one pass over a panel, in equal blocks (256 x 48 floats = 48 KiB, in L2 on
-/// every AVX-512 CPU; the `a` rows of a tile stream through L1).
+/// Most depth of one pass over a panel, in equal blocks (256 x 48 or 64 floats = 48 or 64 KiB
+/// of panel, held in L2 while the row groups go by).
 ///
 /// Measured on AMD Zen 4 (AVX-512 on 256-bit units, 32 KiB L1d, 1 MiB L2), 2 threads, builds
 /// alternating, median of the per-round time ratios 256 / 128: MHA seq 32 hidden 384 0.980
