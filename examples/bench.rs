@@ -5,8 +5,13 @@
 //! ```text
 //! cargo run --release --example bench -- --batch 1 --seq 128 --hidden 768 --heads 12 \
 //!   [--kv-heads N] [--causal] [--weights] [--dtype f32] [--iters N] [--core] [--device D] \
-//!   [--impl ours|naive|candle-flash|candle-matmul] [--pool caller|detached] [--json]
+//!   [--impl ours|naive|candle-flash|candle-matmul] [--pool caller|detached] [--train] [--json]
 //! ```
+//!
+//! `--train` times one training step instead of a forward: the forward on variables (the
+//! layer's weights and `x`, or Q, K and V with `--core`), then the backward of
+//! `sum(context * g)` to every one of them (no optimizer update); ours only. Its `gflops`
+//! count a step as 3 forwards (the backward's products are twice the forward's).
 //!
 //! `--json` prints one JSON object `{"batch", "seq", "hidden", "heads", "median_ms",
 //! "gflops", "peak_rss_mb", ...}` for the chosen `--impl` (default ours), nothing else on
@@ -33,7 +38,7 @@ use candle_attention::{
     select_device, self_attention_cost, AttentionConfig, AttentionMask, LinearWeights,
     MultiHeadSelfAttention, Projections, SdpaOptions, WeightLayout,
 };
-use candle_core::{DType, Device, Tensor, D};
+use candle_core::{DType, Device, Tensor, Var, D};
 use candle_nn::attention::{flash_attn, AttnMask};
 use clap::{Parser, ValueEnum};
 
@@ -127,6 +132,9 @@ struct Args {
     /// main thread is), `detached` keeps rayon's default (calls are handed over to it).
     #[arg(long, value_enum, default_value_t = Pool::Caller)]
     pool: Pool,
+    /// Time a training step (forward + backward to the variables) instead of a forward.
+    #[arg(long)]
+    train: bool,
     /// One JSON object on stdout.
     #[arg(long)]
     json: bool,
@@ -142,6 +150,8 @@ struct Setup {
     /// `--core` inputs: q `(b, h, t, hd)`, k and v `(b, kvh, t, hd)`; for flash_attn the
     /// same values as `(b, t, h, hd)`.
     core: Option<[Tensor; 6]>,
+    /// `--train`: the gradient of the output the backward starts from.
+    grad: Option<Tensor>,
 }
 
 struct Measured {
@@ -172,6 +182,9 @@ fn main() -> anyhow::Result<()> {
             args.hidden
         );
     }
+    if args.train && args.weights {
+        bail!("--train times the gradients of the context; drop --weights");
+    }
     let kvh = args.kv_heads.unwrap_or(args.heads);
     if kvh == 0 || args.heads % kvh != 0 {
         bail!("--kv-heads {kvh} must divide --heads {}", args.heads);
@@ -199,6 +212,7 @@ fn main() -> anyhow::Result<()> {
             "threads": threads,
             "pool": args.pool.name(),
             "device": args.device,
+            "train": args.train,
             "iters": m.iters,
         });
         println!("{obj}");
@@ -233,7 +247,12 @@ fn main() -> anyhow::Result<()> {
         "implementation", "median ms", "GFLOP/s", "peak RSS MiB", "ours is"
     );
     let mut ours_ms = None;
-    for imp in [Impl::Ours, Impl::Naive, Impl::CandleFlash] {
+    let imps: &[Impl] = if args.train {
+        &[Impl::Ours]
+    } else {
+        &[Impl::Ours, Impl::Naive, Impl::CandleFlash]
+    };
+    for &imp in imps {
         reset_peak_rss();
         let fl = flops(&args, kvh, imp);
         match measure(&args, &setup, imp, kvh)? {
@@ -254,6 +273,7 @@ fn main() -> anyhow::Result<()> {
     let mm = Args {
         seq: 2048,
         iters: Some(5),
+        train: false,
         ..args
     };
     let m = measure(&mm, &setup, Impl::CandleMatmul, kvh)?.context("matmul")?;
@@ -288,10 +308,15 @@ fn flops(args: &Args, kvh: usize, imp: Impl) -> f64 {
         kvh,
         args.causal,
     );
-    if args.core {
+    let forward = if args.core {
         c.attention_flops as f64
     } else {
         c.flops() as f64
+    };
+    if args.train {
+        3.0 * forward
+    } else {
+        forward
     }
 }
 
@@ -326,6 +351,24 @@ fn setup(args: &Args, dtype: DType, kvh: usize, imp: Impl) -> anyhow::Result<Set
     let cfg = AttentionConfig::new(WeightLayout::TorchMha, h)
         .with_kv_heads(kvh)
         .with_causal(args.causal);
+    // For a training step the weights are variables, as an optimizer holds them.
+    let p = if args.train {
+        let var = |l: LinearWeights| -> anyhow::Result<LinearWeights> {
+            let v = |t: &Tensor| -> anyhow::Result<Tensor> {
+                Ok(Var::from_tensor(t)?.as_tensor().clone())
+            };
+            let bias = l.bias.as_ref().map(v).transpose()?;
+            Ok(LinearWeights::new(v(&l.weight)?, bias, l.name))
+        };
+        Projections {
+            q: var(p.q)?,
+            k: var(p.k)?,
+            v: var(p.v)?,
+            o: p.o.map(var).transpose()?,
+        }
+    } else {
+        p
+    };
     let layer = MultiHeadSelfAttention::new(p, &cfg)?;
     let core = if args.core && imp != Impl::CandleMatmul {
         let q = randn(&[b, h, t, hd], 1.0, dtype)?; // (b, h, t, hd)
@@ -333,7 +376,14 @@ fn setup(args: &Args, dtype: DType, kvh: usize, imp: Impl) -> anyhow::Result<Set
         let v = randn(&[b, kvh, t, hd], 1.0, dtype)?; // (b, kvh, t, hd)
         let bshd = |x: &Tensor| -> anyhow::Result<Tensor> { Ok(x.transpose(1, 2)?.contiguous()?) }; // (b, t, h, hd)
         let (qf, kf, vf) = (bshd(&q)?, bshd(&k)?, bshd(&v)?);
-        Some([q, k, v, qf, kf, vf])
+        let var = |t: Tensor| -> anyhow::Result<Tensor> {
+            Ok(if args.train {
+                Var::from_tensor(&t)?.as_tensor().clone()
+            } else {
+                t
+            })
+        };
+        Some([var(q)?, var(k)?, var(v)?, qf, kf, vf])
     } else {
         None
     };
@@ -342,11 +392,26 @@ fn setup(args: &Args, dtype: DType, kvh: usize, imp: Impl) -> anyhow::Result<Set
     } else {
         randn(&[b, t, d], 1.0, dtype)? // (b, t, d)
     };
+    let (x, grad) = if args.train {
+        let out = if args.core {
+            [b, h, t, hd]
+        } else {
+            [b, t, d, 1]
+        };
+        let out = if args.core { &out[..] } else { &out[..3] };
+        (
+            Var::from_tensor(&x)?.as_tensor().clone(),
+            Some(randn(out, 1.0, dtype)?),
+        )
+    } else {
+        (x, None)
+    };
     Ok(Setup {
         x,
         layer,
         raw,
         core,
+        grad,
     })
 }
 
@@ -355,6 +420,7 @@ fn setup(args: &Args, dtype: DType, kvh: usize, imp: Impl) -> anyhow::Result<Set
 fn measure(args: &Args, s: &Setup, imp: Impl, kvh: usize) -> anyhow::Result<Option<Measured>> {
     let run: Box<dyn Fn() -> anyhow::Result<()>> = match imp {
         Impl::Ours => Box::new(|| ours(args, s)),
+        Impl::Naive | Impl::CandleFlash | Impl::CandleMatmul if args.train => return Ok(None),
         Impl::Naive => {
             // Scores, exponentials, weights: ~3 (b, h, t, t) f32 tensors at once.
             let need = attention_weights_bytes(args.batch, args.heads, args.seq, args.seq) * 3;
@@ -411,6 +477,20 @@ fn measure(args: &Args, s: &Setup, imp: Impl, kvh: usize) -> anyhow::Result<Opti
 }
 
 fn ours(args: &Args, s: &Setup) -> anyhow::Result<()> {
+    if let Some(g) = &s.grad {
+        // One training step: forward, then gradients to every variable.
+        let context = match &s.core {
+            Some([q, k, v, ..]) => {
+                let mask = args.causal.then(AttentionMask::causal);
+                scaled_dot_product_attention(q, k, v, mask.as_ref(), SdpaOptions::default())?
+                    .context
+            }
+            None => s.layer.forward(&s.x, None)?.context,
+        };
+        let grads = (context * g)?.sum_all()?.backward()?;
+        std::hint::black_box(grads);
+        return Ok(());
+    }
     if let Some([q, k, v, ..]) = &s.core {
         let mask = args.causal.then(AttentionMask::causal);
         let opts = SdpaOptions {

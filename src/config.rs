@@ -8,8 +8,10 @@ use serde::Deserialize;
 use crate::error::{Error, Result};
 use crate::layout::WeightLayout;
 
-/// How to build a [`crate::MultiHeadSelfAttention`]. Sizes (hidden, head dims, kv heads)
-/// are read from the checkpoint; only what the tensors cannot tell is stated here.
+/// How to build a [`crate::MultiHeadSelfAttention`]. Loading a checkpoint reads the sizes
+/// (hidden, head dims, kv heads) from its tensors; a fresh layer on a `VarMap`-backed
+/// `VarBuilder` needs them stated ([`AttentionConfig::with_hidden_size`]), and stated sizes
+/// must agree with a checkpoint's tensors.
 #[derive(Debug, Clone, PartialEq)]
 pub struct AttentionConfig {
     /// Where the projections live in the checkpoint.
@@ -23,6 +25,17 @@ pub struct AttentionConfig {
     pub causal: bool,
     /// Multiplier of `Q K^T`; `None` is `1 / sqrt(head_dim)`.
     pub scale: Option<f64>,
+    /// Input width; when set, the projections are read with their full shapes (created with
+    /// candle-nn's default initialisation where the `VarBuilder` makes variables).
+    pub hidden_size: Option<usize>,
+    /// Query/key width per head; `None` is `hidden_size / num_heads` (the whole
+    /// `hidden_size` for [`WeightLayout::Single`]).
+    pub head_dim: Option<usize>,
+    /// Value width per head; `None` is `head_dim`.
+    pub v_head_dim: Option<usize>,
+    /// Whether a fresh layer gets biases: `None` follows the layout (Q/K/V and output biases
+    /// everywhere but LLaMA; `Some(true)` for LLaMA gives Q/K/V biases as Qwen2 has).
+    pub bias: Option<bool>,
 }
 
 impl AttentionConfig {
@@ -35,7 +48,80 @@ impl AttentionConfig {
             num_kv_heads: None,
             causal: layout.is_causal_architecture(),
             scale: None,
+            hidden_size: None,
+            head_dim: None,
+            v_head_dim: None,
+            bias: None,
         }
+    }
+
+    /// States the input width, so that the layer can be created fresh on a `VarMap`
+    /// (`VarBuilder::from_varmap`), as `candle_nn::linear(in, out, vb)` is.
+    pub fn with_hidden_size(mut self, hidden: usize) -> Self {
+        self.hidden_size = Some(hidden);
+        self
+    }
+
+    /// States the query/key width per head (when it is not `hidden / heads`).
+    pub fn with_head_dim(mut self, head_dim: usize) -> Self {
+        self.head_dim = Some(head_dim);
+        self
+    }
+
+    /// States the value width per head (when it differs from the query/key width).
+    pub fn with_v_head_dim(mut self, v_head_dim: usize) -> Self {
+        self.v_head_dim = Some(v_head_dim);
+        self
+    }
+
+    /// Whether a fresh layer has biases (see [`AttentionConfig::bias`]).
+    pub fn with_bias(mut self, bias: bool) -> Self {
+        self.bias = Some(bias);
+        self
+    }
+
+    /// The full projection sizes when the hidden size is stated, checked for consistency.
+    pub(crate) fn sizes(&self) -> Result<Option<LayerSizes>> {
+        let Some(hidden) = self.hidden_size else {
+            return Ok(None);
+        };
+        let single = self.layout == WeightLayout::Single;
+        let heads = if single { 1 } else { self.num_heads };
+        if hidden == 0 || heads == 0 {
+            return Err(Error::config(format!(
+                "a fresh layer needs a positive hidden size and head count, found hidden {hidden}, {heads} heads"
+            )));
+        }
+        let head_dim = match self.head_dim {
+            Some(d) => d,
+            None if hidden % heads == 0 => hidden / heads,
+            None => {
+                return Err(Error::Heads(format!(
+                    "{heads} heads do not divide the hidden size {hidden}; state the head dim with `with_head_dim`"
+                )))
+            }
+        };
+        let kv_heads = self.num_kv_heads.unwrap_or(heads);
+        if kv_heads == 0 || heads % kv_heads != 0 {
+            return Err(Error::Heads(format!(
+                "{kv_heads} key/value heads do not divide the {heads} query heads"
+            )));
+        }
+        let v_head_dim = self.v_head_dim.unwrap_or(head_dim);
+        if head_dim == 0 || v_head_dim == 0 {
+            return Err(Error::config("head dims must be at least 1"));
+        }
+        let bias = self
+            .bias
+            .unwrap_or(!matches!(self.layout, WeightLayout::Llama));
+        Ok(Some(LayerSizes {
+            hidden,
+            heads,
+            kv_heads,
+            head_dim,
+            v_head_dim,
+            bias,
+        }))
     }
 
     /// Sets the number of key/value heads.
@@ -60,8 +146,23 @@ impl AttentionConfig {
             num_kv_heads: cfg.num_key_value_heads,
             causal: matches!(layout, WeightLayout::Gpt2 | WeightLayout::Llama),
             scale: None,
+            hidden_size: None,
+            head_dim: cfg.head_dim,
+            v_head_dim: None,
+            bias: None,
         })
     }
+}
+
+/// Every projection size of a layer whose sizes were stated (see [`AttentionConfig::sizes`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct LayerSizes {
+    pub hidden: usize,
+    pub heads: usize,
+    pub kv_heads: usize,
+    pub head_dim: usize,
+    pub v_head_dim: usize,
+    pub bias: bool,
 }
 
 fn default_layer_norm_eps() -> f64 {

@@ -8,8 +8,9 @@ use std::fmt;
 use std::str::FromStr;
 
 use candle_core::Tensor;
-use candle_nn::VarBuilder;
+use candle_nn::{Init, VarBuilder};
 
+use crate::config::LayerSizes;
 use crate::error::{Error, Result};
 
 /// The checkpoint families whose attention weights this crate loads.
@@ -61,26 +62,68 @@ impl WeightLayout {
 
     /// Reads this layout's projections from `vb` (already positioned at the attention prefix).
     pub fn load(&self, vb: &VarBuilder) -> Result<Projections> {
+        self.load_sized(vb, None)
+    }
+
+    /// Reads this layout's projections; with `sizes`, every tensor is read with its full
+    /// shape (a checkpoint's must match) and, on a `VarBuilder` that makes variables (a
+    /// `VarMap`), created with candle-nn's default initialisation, as `candle_nn::linear` does.
+    pub(crate) fn load_sized(
+        &self,
+        vb: &VarBuilder,
+        sizes: Option<&LayerSizes>,
+    ) -> Result<Projections> {
+        let s = sizes.copied();
+        // (out, in) of each projection when the sizes are stated.
+        let (q_out, k_out, v_out) = match s {
+            Some(z) => (
+                z.heads * z.head_dim,
+                z.kv_heads * z.head_dim,
+                z.kv_heads * z.v_head_dim,
+            ),
+            None => (0, 0, 0),
+        };
+        let hidden = s.map_or(0, |z| z.hidden);
+        let bias = s.is_some_and(|z| z.bias);
+        let lin = |vb: &VarBuilder, out: usize, inp: usize, with_bias: bool| {
+            linear_named(vb, "weight", "bias", s.map(|_| (out, inp)), with_bias)
+        };
         match self {
             WeightLayout::Bert => {
-                let s = vb.pp("self");
+                let sp = vb.pp("self");
                 Ok(Projections {
-                    q: linear(&s.pp("query"))?,
-                    k: linear(&s.pp("key"))?,
-                    v: linear(&s.pp("value"))?,
-                    o: Some(linear(&vb.pp("output").pp("dense"))?),
+                    q: lin(&sp.pp("query"), q_out, hidden, bias)?,
+                    k: lin(&sp.pp("key"), k_out, hidden, bias)?,
+                    v: lin(&sp.pp("value"), v_out, hidden, bias)?,
+                    o: Some(lin(
+                        &vb.pp("output").pp("dense"),
+                        hidden,
+                        s.map_or(0, |z| z.heads * z.v_head_dim),
+                        bias,
+                    )?),
                 })
             }
             WeightLayout::TorchMha => {
+                if let Some(z) = s {
+                    if z.kv_heads != z.heads
+                        || z.heads * z.head_dim != z.hidden
+                        || z.v_head_dim != z.head_dim
+                    {
+                        return Err(Error::config(format!(
+                            "the torch-mha layout packs Q, K and V as `in_proj_weight` (3 x embed_dim, embed_dim): it needs heads x head_dim = hidden ({} x {} vs {}) and no grouped K/V heads",
+                            z.heads, z.head_dim, z.hidden
+                        )));
+                    }
+                }
                 let (q, k, v) = if !vb.contains_tensor("in_proj_weight")
                     && vb.contains_tensor("q_proj_weight")
                 {
                     // kdim/vdim != embed_dim: separate projections, packed bias.
-                    let q = weight(vb, "q_proj_weight")?;
-                    let k = weight(vb, "k_proj_weight")?;
-                    let v = weight(vb, "v_proj_weight")?;
+                    let q = weight(vb, "q_proj_weight", None)?;
+                    let k = weight(vb, "k_proj_weight", None)?;
+                    let v = weight(vb, "v_proj_weight", None)?;
                     let (dq, dk, dv) = (q.dim(0)?, k.dim(0)?, v.dim(0)?);
-                    let bias = opt_bias(vb, "in_proj_bias", dq + dk + dv)?;
+                    let bias = opt_bias(vb, "in_proj_bias", dq + dk + dv, None)?;
                     let [bq, bk, bv] = split_bias(bias, [dq, dk, dv])?;
                     (
                         LinearWeights::new(q, bq, full_name(vb, "q_proj_weight")),
@@ -88,7 +131,12 @@ impl WeightLayout {
                         LinearWeights::new(v, bv, full_name(vb, "v_proj_weight")),
                     )
                 } else {
-                    let w = weight(vb, "in_proj_weight")?; // (3d, d)
+                    let fresh = s.is_some() && !vb.contains_tensor("in_proj_weight");
+                    let w = weight(
+                        vb,
+                        "in_proj_weight",
+                        s.map(|z| Sized::out_in(3 * z.hidden, z.hidden)),
+                    )?; // (3d, d)
                     let rows = w.dim(0)?;
                     if rows % 3 != 0 {
                         return Err(shape_error(
@@ -99,7 +147,12 @@ impl WeightLayout {
                         ));
                     }
                     let d = rows / 3;
-                    let bias = opt_bias(vb, "in_proj_bias", rows)?;
+                    let bias = opt_bias(
+                        vb,
+                        "in_proj_bias",
+                        rows,
+                        (fresh && bias).then_some(rows / 3),
+                    )?;
                     let [wq, wk, wv] = split_rows(&w, [d, d, d])?;
                     let [bq, bk, bv] = split_bias(bias, [d, d, d])?;
                     let name = full_name(vb, "in_proj_weight");
@@ -113,12 +166,28 @@ impl WeightLayout {
                     q,
                     k,
                     v,
-                    o: Some(linear_named(&vb.pp("out_proj"), "weight", "bias")?),
+                    o: Some(lin(&vb.pp("out_proj"), hidden, hidden, bias)?),
                 })
             }
             WeightLayout::Gpt2 => {
+                if let Some(z) = s {
+                    if z.kv_heads != z.heads
+                        || z.heads * z.head_dim != z.hidden
+                        || z.v_head_dim != z.head_dim
+                    {
+                        return Err(Error::config(format!(
+                            "the gpt2 layout packs Q, K and V as `c_attn.weight` (d, 3 x d): it needs heads x head_dim = hidden ({} x {} vs {}) and no grouped K/V heads",
+                            z.heads, z.head_dim, z.hidden
+                        )));
+                    }
+                }
                 let c_attn = vb.pp("c_attn");
-                let w = weight(&c_attn, "weight")?; // Conv1D: (d, 3d)
+                let fresh = s.is_some() && !c_attn.contains_tensor("weight");
+                let w = weight(
+                    &c_attn,
+                    "weight",
+                    s.map(|z| Sized::in_out(z.hidden, 3 * z.hidden)),
+                )?; // Conv1D: (d, 3d)
                 let cols = w.dim(1)?;
                 if cols % 3 != 0 || cols / 3 != w.dim(0)? {
                     return Err(shape_error(
@@ -129,14 +198,26 @@ impl WeightLayout {
                     ));
                 }
                 let d = cols / 3;
-                let w = w.t()?.contiguous()?; // (3d, d)
-                let bias = opt_bias(&c_attn, "bias", 3 * d)?;
+                // A view (no copy): the projections stay tied to the stored tensor, which
+                // an optimizer may update in place.
+                let w = w.t()?; // (3d, d)
+                let bias_c = opt_bias(&c_attn, "bias", 3 * d, (fresh && bias).then_some(d))?;
                 let [wq, wk, wv] = split_rows(&w, [d, d, d])?;
-                let [bq, bk, bv] = split_bias(bias, [d, d, d])?;
+                let [bq, bk, bv] = split_bias(bias_c, [d, d, d])?;
                 let c_proj = vb.pp("c_proj");
-                let wo = weight(&c_proj, "weight")?; // Conv1D: (in, out)
-                let wo = wo.t()?.contiguous()?; // (out, in)
-                let bo = opt_bias(&c_proj, "bias", wo.dim(0)?)?;
+                let fresh_o = s.is_some() && !c_proj.contains_tensor("weight");
+                let wo = weight(
+                    &c_proj,
+                    "weight",
+                    s.map(|z| Sized::in_out(z.hidden, z.hidden)),
+                )?; // Conv1D: (in, out)
+                let wo = wo.t()?; // (out, in), a view
+                let bo = opt_bias(
+                    &c_proj,
+                    "bias",
+                    wo.dim(0)?,
+                    (fresh_o && bias).then_some(wo.dim(1)?),
+                )?;
                 let name = full_name(&c_attn, "weight");
                 Ok(Projections {
                     q: LinearWeights::new(wq, bq, format!("{name} (query columns)")),
@@ -146,15 +227,20 @@ impl WeightLayout {
                 })
             }
             WeightLayout::Llama => Ok(Projections {
-                q: linear(&vb.pp("q_proj"))?,
-                k: linear(&vb.pp("k_proj"))?,
-                v: linear(&vb.pp("v_proj"))?,
-                o: Some(linear(&vb.pp("o_proj"))?),
+                q: lin(&vb.pp("q_proj"), q_out, hidden, bias)?,
+                k: lin(&vb.pp("k_proj"), k_out, hidden, bias)?,
+                v: lin(&vb.pp("v_proj"), v_out, hidden, bias)?,
+                o: Some(lin(
+                    &vb.pp("o_proj"),
+                    hidden,
+                    s.map_or(0, |z| z.heads * z.v_head_dim),
+                    false,
+                )?),
             }),
             WeightLayout::Single => Ok(Projections {
-                q: linear(&vb.pp("query"))?,
-                k: linear(&vb.pp("key"))?,
-                v: linear(&vb.pp("value"))?,
+                q: lin(&vb.pp("query"), q_out, hidden, bias)?,
+                k: lin(&vb.pp("key"), k_out, hidden, bias)?,
+                v: lin(&vb.pp("value"), v_out, hidden, bias)?,
                 o: None,
             }),
         }
@@ -219,6 +305,16 @@ pub struct Projections {
     pub o: Option<LinearWeights>,
 }
 
+impl Projections {
+    /// Whether any weight or bias tracks gradients (a variable, or computed from one).
+    pub fn tracks_gradients(&self) -> bool {
+        [&self.q, &self.k, &self.v]
+            .into_iter()
+            .chain(self.o.as_ref())
+            .any(|l| l.weight.track_op() || l.bias.as_ref().is_some_and(Tensor::track_op))
+    }
+}
+
 fn full_name(vb: &VarBuilder, name: &str) -> String {
     let p = vb.prefix();
     if p.is_empty() {
@@ -236,30 +332,108 @@ fn shape_error(vb: &VarBuilder, name: &str, expected: &str, t: &Tensor) -> Error
     }
 }
 
-/// A rank-2 weight read with the dimensions the checkpoint has.
-fn weight(vb: &VarBuilder, name: &str) -> Result<Tensor> {
-    let w = vb.get_unchecked(name)?;
+/// candle-nn's default initialisation of a linear weight `(out, in)` (Kaiming normal over
+/// the fan-in, as `candle_nn::linear`), stated for the input width so that GPT-2's
+/// transposed `Conv1D` weights get the same distribution.
+fn weight_init(inp: usize) -> Init {
+    Init::Randn {
+        mean: 0.0,
+        stdev: (2.0 / inp.max(1) as f64).sqrt(),
+    }
+}
+
+/// The stated shape of a weight, and its input width (the initialisation's fan-in).
+#[derive(Debug, Clone, Copy)]
+struct Sized {
+    dims: (usize, usize),
+    fan_in: usize,
+}
+
+impl Sized {
+    /// A `(out, in)` weight.
+    fn out_in(out: usize, inp: usize) -> Self {
+        Self {
+            dims: (out, inp),
+            fan_in: inp,
+        }
+    }
+    /// A GPT-2 `Conv1D` weight, stored `(in, out)`.
+    fn in_out(inp: usize, out: usize) -> Self {
+        Self {
+            dims: (inp, out),
+            fan_in: inp,
+        }
+    }
+}
+
+/// A rank-2 weight: with the dimensions the checkpoint has, or with `shape` (checked, or
+/// created where the `VarBuilder` makes variables).
+fn weight(vb: &VarBuilder, name: &str, shape: Option<Sized>) -> Result<Tensor> {
+    let w = match shape {
+        Some(Sized { dims, fan_in }) => vb.get_with_hints(dims, name, weight_init(fan_in))?,
+        None => vb
+            .get_unchecked(name)
+            .map_err(|e| unsized_error(vb, name, e))?,
+    };
     if w.rank() != 2 || w.elem_count() == 0 {
         return Err(shape_error(vb, name, "a non-empty rank-2 matrix", &w));
     }
     Ok(w)
 }
 
-/// A bias of `len` entries if the checkpoint has one.
-fn opt_bias(vb: &VarBuilder, name: &str, len: usize) -> Result<Option<Tensor>> {
-    if !vb.contains_tensor(name) {
-        return Ok(None);
+/// The error of reading a tensor without stated sizes, with the way out for a `VarMap`.
+fn unsized_error(vb: &VarBuilder, name: &str, e: candle_core::Error) -> Error {
+    // A VarMap cannot hand out a tensor without its shape, whether it holds it or not
+    // (candle-nn says so only in its message).
+    if e.to_string().contains("VarMap") {
+        Error::config(format!(
+            "`{}` cannot be read without its shape from this VarBuilder ({e}); state the sizes with \
+             `AttentionConfig::with_hidden_size` (a VarMap-backed VarBuilder needs them)",
+            full_name(vb, name)
+        ))
+    } else {
+        Error::from(e)
     }
-    Ok(Some(vb.get(len, name)?))
 }
 
-fn linear(vb: &VarBuilder) -> Result<LinearWeights> {
-    linear_named(vb, "weight", "bias")
+/// A bias of `len` entries if the checkpoint has one; created when `create` gives the
+/// input width (uniform in `+-1/sqrt(in)`, as `candle_nn::linear` does).
+fn opt_bias(
+    vb: &VarBuilder,
+    name: &str,
+    len: usize,
+    create: Option<usize>,
+) -> Result<Option<Tensor>> {
+    if vb.contains_tensor(name) {
+        return Ok(Some(vb.get(len, name)?));
+    }
+    let Some(fan_in) = create else {
+        return Ok(None);
+    };
+    let bound = 1.0 / (fan_in.max(1) as f64).sqrt();
+    Ok(Some(vb.get_with_hints(
+        len,
+        name,
+        Init::Uniform {
+            lo: -bound,
+            up: bound,
+        },
+    )?))
 }
 
-fn linear_named(vb: &VarBuilder, w: &str, b: &str) -> Result<LinearWeights> {
-    let weight = weight(vb, w)?;
-    let bias = opt_bias(vb, b, weight.dim(0)?)?;
+/// `weight` and optional `bias` of one projection; `shape` `(out, in)` when the sizes are
+/// stated, `create_bias` for a fresh layer whose layout has biases.
+fn linear_named(
+    vb: &VarBuilder,
+    w: &str,
+    b: &str,
+    shape: Option<(usize, usize)>,
+    create_bias: bool,
+) -> Result<LinearWeights> {
+    let fresh = shape.is_some() && !vb.contains_tensor(w);
+    let weight = weight(vb, w, shape.map(|(o, i)| Sized::out_in(o, i)))?;
+    let (out, inp) = weight.dims2()?;
+    let bias = opt_bias(vb, b, out, (fresh && create_bias).then_some(inp))?;
     Ok(LinearWeights::new(weight, bias, full_name(vb, w)))
 }
 

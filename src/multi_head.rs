@@ -5,15 +5,13 @@ use candle_nn::VarBuilder;
 
 use crate::config::AttentionConfig;
 use crate::cost::{layer_cost, AttentionCost, LayerDims};
+use crate::dispatch::{self, Call, Route};
 use crate::error::{Error, Result};
 use crate::kernels::{self_attention, WeightsBlock, WeightsMode};
 use crate::layout::{LinearWeights, Projections};
 use crate::mask::AttentionMask;
 use crate::output::AttentionOutput;
-use crate::sdpa::{
-    scaled_dot_product_attention_on, scaled_dot_product_attention_streamed, AttentionPath,
-    SdpaOptions,
-};
+use crate::sdpa::{self, scaled_dot_product_attention_streamed, AttentionPath};
 use crate::stored_weight::StoredWeight;
 
 /// Q, K and V projections. Fused into one matrix at load time whenever the three read the
@@ -26,7 +24,9 @@ enum QkvProjection {
         /// `(q_out + k_out + v_out,)`
         bias: Option<Tensor>,
     },
-    /// K/V read a different width than Q (PyTorch `kdim`/`vdim`): cross-attention only.
+    /// The caller's tensors as they are: K/V reading a different width than Q (PyTorch
+    /// `kdim`/`vdim`, cross-attention only), or weights that track gradients (variables an
+    /// optimizer updates in place), which every call reads afresh.
     Separate {
         q: LinearWeights,
         k: LinearWeights,
@@ -56,6 +56,12 @@ struct OutProjection {
 /// it and writing the context already merged, then `W_O`; the tiled kernel (memory linear in
 /// the sequence) when no weights are asked for. [`AttentionPath::Explicit`] (see
 /// [`MultiHeadSelfAttention::with_path`]) runs the explicit composition of candle ops instead.
+///
+/// Built from tensors that track gradients (variables of a `VarMap`, see
+/// [`AttentionConfig::with_hidden_size`] for a fresh layer), the layer keeps them as they are
+/// (no fused or packed copy) and every call is differentiable: gradients reach the variables
+/// in their checkpoint layout, and what an optimizer writes into them is what the next call
+/// reads. [`crate::dispatch`] tells which implementation runs a call.
 #[derive(Debug, Clone)]
 pub struct MultiHeadSelfAttention {
     qkv: QkvProjection,
@@ -74,9 +80,19 @@ pub struct MultiHeadSelfAttention {
 impl MultiHeadSelfAttention {
     /// Loads the layer from a checkpoint; `vb` points at the attention prefix
     /// (e.g. `encoder.layer.3.attention` for BERT). Sizes come from the tensors.
+    ///
+    /// With the sizes stated ([`AttentionConfig::with_hidden_size`]), every tensor is read with
+    /// its full shape, and a `VarBuilder` that makes variables (`VarBuilder::from_varmap`)
+    /// creates the missing ones under the layout's checkpoint names with candle-nn's default
+    /// initialisation: a fresh, trainable layer that `VarMap::save` writes as a checkpoint.
     pub fn load(vb: VarBuilder, cfg: &AttentionConfig) -> Result<Self> {
-        let projections = cfg.layout.load(&vb)?;
-        Self::new(projections, cfg)
+        let sizes = cfg.sizes()?;
+        let projections = cfg.layout.load_sized(&vb, sizes.as_ref())?;
+        let cfg = match sizes {
+            Some(z) => cfg.clone().with_kv_heads(z.kv_heads),
+            None => cfg.clone(),
+        };
+        Self::new(projections, &cfg)
     }
 
     /// Builds the layer from projection tensors, checking every size.
@@ -169,7 +185,9 @@ impl MultiHeadSelfAttention {
                 });
             }
         }
-        let qkv = if k_in == hidden {
+        // Weights that track gradients are kept as the caller's tensors (views, no copy).
+        let trainable = p.tracks_gradients();
+        let qkv = if k_in == hidden && !trainable {
             let weight = Tensor::cat(&[&p.q.weight, &p.k.weight, &p.v.weight], 0)?; // (q+k+v, hidden)
             let weight_t = StoredWeight::new(&weight, &[q_out])?; // (hidden, q+k+v)
             let bias = if p.q.bias.is_none() && p.k.bias.is_none() && p.v.bias.is_none() {
@@ -200,7 +218,11 @@ impl MultiHeadSelfAttention {
         };
         let out_proj = match p.o {
             Some(o) => Some(OutProjection {
-                weight_t: StoredWeight::new(&o.weight, &[])?, // (heads*v_head_dim, out)
+                weight_t: if trainable {
+                    StoredWeight::Tensor(o.weight.t()?) // a view of the caller's tensor
+                } else {
+                    StoredWeight::new(&o.weight, &[])? // (heads*v_head_dim, out)
+                },
                 bias: o.bias,
             }),
             None => None,
@@ -311,9 +333,27 @@ impl MultiHeadSelfAttention {
     pub fn is_causal(&self) -> bool {
         self.causal
     }
-    /// Whether Q, K and V are one fused matrix multiply.
+    /// Whether Q, K and V are fused into one stored matrix at load time (weights that do not
+    /// track gradients and read one input width).
     pub fn is_fused(&self) -> bool {
         matches!(self.qkv, QkvProjection::Fused { .. })
+    }
+
+    /// Whether the layer's weights track gradients (variables): every call then reads them
+    /// afresh and is differentiable.
+    pub fn is_trainable(&self) -> bool {
+        let lin = |l: &LinearWeights| dispatch::tracks(&[Some(&l.weight), l.bias.as_ref()]);
+        let qkv = match &self.qkv {
+            QkvProjection::Fused { bias, .. } => dispatch::tracks(&[bias.as_ref()]),
+            QkvProjection::Separate { q, k, v } => lin(q) || lin(k) || lin(v),
+        };
+        qkv || self.out_proj.as_ref().is_some_and(|o| {
+            let w = match &o.weight_t {
+                StoredWeight::Tensor(t) => Some(t),
+                StoredWeight::Packed(_) => None,
+            };
+            dispatch::tracks(&[w, o.bias.as_ref()])
+        })
     }
     /// Dtype of the weights (inputs must match it).
     pub fn dtype(&self) -> DType {
@@ -377,7 +417,7 @@ impl MultiHeadSelfAttention {
         mask: Option<&AttentionMask>,
         mut on_block: impl FnMut(WeightsBlock<'_>) -> Result<()>,
     ) -> Result<AttentionOutput> {
-        self.attend_with(x, None, mask, WeightsMode::Stream(&mut on_block))
+        self.attend_with(x, None, mask, WeightsMode::Stream(&mut on_block), true)
     }
 
     /// Self-attention (`kv = None`) or cross-attention, with or without the weights.
@@ -398,15 +438,19 @@ impl MultiHeadSelfAttention {
         } else {
             WeightsMode::Skip
         };
-        self.attend_with(x, kv, mask, mode)
+        self.attend_with(x, kv, mask, mode, true)
     }
 
+    /// The call behind every public one; `grad = false` computes without gradients even where
+    /// inputs or weights track them (used for streamed weights next to a differentiable
+    /// context).
     fn attend_with(
         &self,
         x: &Tensor,
         kv: Option<&Tensor>,
         mask: Option<&AttentionMask>,
         mode: WeightsMode<'_>,
+        grad: bool,
     ) -> Result<AttentionOutput> {
         let (b, t, d) = self.check_input("x", x, self.hidden)?;
         let (h, kvh, hd, vhd) = (
@@ -438,31 +482,53 @@ impl MultiHeadSelfAttention {
                 ));
             }
         }
-        // The fused CPU path: f32 weights the kernels can read, f32 input on the CPU.
-        if let (AttentionPath::Auto, QkvProjection::Fused { weight_t, bias }) =
-            (self.path, &self.qkv)
-        {
-            let out = match &self.out_proj {
-                Some(o) => o.weight_t.cpu_f32().map(Some),
-                None => Some(None),
-            };
-            if let (Some(qkv), Some(out), true, DType::F32) =
-                (weight_t.cpu_f32(), out, x.device().is_cpu(), x.dtype())
-            {
-                let layer = self_attention::FusedLayer {
-                    qkv,
-                    qkv_bias: bias.as_ref(),
-                    out,
-                    out_bias: self.out_proj.as_ref().and_then(|o| o.bias.as_ref()),
-                    heads: h,
-                    kv_heads: kvh,
-                    head_dim: hd,
-                    v_head_dim: vhd,
-                    scale: self.scale.unwrap_or(1.0 / (hd as f64).sqrt()),
-                };
-                let (context, weights) = self_attention::forward(&layer, x, kv, mask, mode)?;
-                return Ok(AttentionOutput { context, weights });
+        let tracking = grad && (dispatch::tracks(&[Some(x), kv]) || self.is_trainable());
+        if tracking {
+            if let WeightsMode::Stream(f) = mode {
+                // A differentiable context; the streamed blocks computed again without it.
+                let out = self.attend_with(x, kv, mask, WeightsMode::Skip, true)?;
+                let (xd, kvd) = (x.detach(), kv.map(Tensor::detach));
+                self.attend_with(&xd, kvd.as_ref(), mask, WeightsMode::Stream(f), false)?;
+                return Ok(out);
             }
+        }
+        let call = Call {
+            device: x.device(),
+            dtype: x.dtype(),
+            weights: mode.kind(),
+            tracking,
+            mask,
+            path: self.path,
+        };
+        // The whole layer on the CPU kernels: f32 weights they can read.
+        let fused = match (&self.qkv, &self.out_proj) {
+            (QkvProjection::Fused { weight_t, bias }, out) => {
+                let out = match out {
+                    Some(o) => o.weight_t.cpu_f32().map(Some),
+                    None => Some(None),
+                };
+                weight_t
+                    .cpu_f32()
+                    .zip(out)
+                    .map(|(qkv, out)| (qkv, bias, out))
+            }
+            _ => None,
+        };
+        let route = dispatch::route(&call, fused.is_some());
+        if let (Route::FusedLayer, Some((qkv, bias, out))) = (route, fused) {
+            let layer = self_attention::FusedLayer {
+                qkv,
+                qkv_bias: bias.as_ref(),
+                out,
+                out_bias: self.out_proj.as_ref().and_then(|o| o.bias.as_ref()),
+                heads: h,
+                kv_heads: kvh,
+                head_dim: hd,
+                v_head_dim: vhd,
+                scale: self.scale.unwrap_or(1.0 / (hd as f64).sqrt()),
+            };
+            let (context, weights) = self_attention::forward(&layer, x, kv, mask, mode)?;
+            return Ok(AttentionOutput { context, weights });
         }
         let (q, k, v, s) = match kv {
             None => {
@@ -475,15 +541,25 @@ impl MultiHeadSelfAttention {
                         let v = qkv.narrow(1, (h + kvh) * hd, kvh * vhd)?; // (b*t, kvh*vhd)
                         (q, k, v)
                     }
-                    QkvProjection::Separate { .. } => {
-                        return Err(Error::input(
-                            "x",
-                            format!(
-                                "cross-attention: this layer's keys/values read width {} but queries read {}",
-                                self.kv_hidden, self.hidden
-                            ),
-                            "self-attention call",
-                        ))
+                    QkvProjection::Separate { q, k, v } => {
+                        if self.kv_hidden != self.hidden {
+                            return Err(Error::input(
+                                "x",
+                                format!(
+                                    "cross-attention: this layer's keys/values read width {} but queries read {}",
+                                    self.kv_hidden, self.hidden
+                                ),
+                                "self-attention call",
+                            ));
+                        }
+                        // One product for Q, K and V, on the weights as they are now.
+                        let w = Tensor::cat(&[&q.weight, &k.weight, &v.weight], 0)?; // (q+k+v, hidden)
+                        let bias = fused_bias(q, k, v)?;
+                        let qkv = linear(&x.reshape((b * t, d))?, &w, bias.as_ref())?; // (b*t, q+k+v)
+                        let q = qkv.narrow(1, 0, h * hd)?; // (b*t, h*hd)
+                        let k = qkv.narrow(1, h * hd, kvh * hd)?; // (b*t, kvh*hd)
+                        let v = qkv.narrow(1, (h + kvh) * hd, kvh * vhd)?; // (b*t, kvh*vhd)
+                        (q, k, v)
                     }
                 };
                 (q, k, v, t)
@@ -501,22 +577,13 @@ impl MultiHeadSelfAttention {
         let q = q.reshape((b, t, h, hd))?.transpose(1, 2)?; // (b, h, t, hd)
         let k = k.reshape((b, s, kvh, hd))?.transpose(1, 2)?; // (b, kvh, s, hd)
         let v = v.reshape((b, s, kvh, vhd))?.transpose(1, 2)?; // (b, kvh, s, vhd)
+        let scale = self.scale.unwrap_or(1.0 / (hd as f64).sqrt());
         let out = match mode {
             WeightsMode::Stream(f) => AttentionOutput {
                 context: scaled_dot_product_attention_streamed(&q, &k, &v, mask, self.scale, f)?,
                 weights: None,
             },
-            mode => scaled_dot_product_attention_on(
-                &q,
-                &k,
-                &v,
-                mask,
-                SdpaOptions {
-                    scale: self.scale,
-                    need_weights: matches!(mode, WeightsMode::Return),
-                },
-                self.path,
-            )?,
+            mode => sdpa::run_route(route, &q, &k, &v, mask, scale, mode)?,
         };
         let ctx = out.context.transpose(1, 2)?.reshape((b, t, h * vhd))?; // (b, t, h*vhd)
         let context = match &self.out_proj {
@@ -612,6 +679,28 @@ impl MultiHeadSelfAttention {
             }
         }
     }
+}
+
+/// The Q/K/V biases as one `(q + k + v,)` vector (zeros for a missing one), or `None` when
+/// none has a bias.
+fn fused_bias(q: &LinearWeights, k: &LinearWeights, v: &LinearWeights) -> Result<Option<Tensor>> {
+    if q.bias.is_none() && k.bias.is_none() && v.bias.is_none() {
+        return Ok(None);
+    }
+    let or_zeros = |l: &LinearWeights| -> Result<Tensor> {
+        match &l.bias {
+            Some(b) => Ok(b.clone()),
+            None => Ok(Tensor::zeros(
+                l.weight.dim(0)?,
+                l.weight.dtype(),
+                l.weight.device(),
+            )?),
+        }
+    };
+    Ok(Some(Tensor::cat(
+        &[or_zeros(q)?, or_zeros(k)?, or_zeros(v)?],
+        0,
+    )?))
 }
 
 /// `x W + b` for a weight already in `(in, out)` form.

@@ -7,6 +7,7 @@
 
 use candle_core::{DType, Device, Tensor};
 
+use crate::dispatch::{self, Call, Route};
 use crate::error::{Error, Result};
 use crate::kernels::{self, WeightsBlock, WeightsMode};
 use crate::mask::AttentionMask;
@@ -108,25 +109,55 @@ pub fn scaled_dot_product_attention_on(
 ) -> Result<AttentionOutput> {
     let (_, _, _, dk) = check_qkv(q, k, v)?;
     let scale = opts.scale.unwrap_or(1.0 / (dk as f64).sqrt());
-    if path == AttentionPath::Auto && q.device().is_cpu() {
-        let mode = if opts.need_weights {
-            WeightsMode::Return
-        } else {
-            WeightsMode::Skip
-        };
-        let (context, weights) = kernels::sdpa::attention(q, k, v, mask, scale, mode)?;
-        return Ok(AttentionOutput { context, weights });
-    }
-    if path == AttentionPath::Auto && !opts.need_weights {
-        // CUDA flash-attention (feature `flash-attn`) where it applies; `None` otherwise.
-        if let Some(context) = crate::flash::try_flash_attention(q, k, v, mask, scale)? {
-            return Ok(AttentionOutput {
+    let mode = if opts.need_weights {
+        WeightsMode::Return
+    } else {
+        WeightsMode::Skip
+    };
+    let call = Call {
+        device: q.device(),
+        dtype: q.dtype(),
+        weights: mode.kind(),
+        tracking: dispatch::tracks(&[Some(q), Some(k), Some(v)]),
+        mask,
+        path,
+    };
+    run_route(dispatch::route(&call, false), q, k, v, mask, scale, mode)
+}
+
+/// Runs the attention on the implementation `route` chose (shapes checked by the caller).
+/// The streaming mode runs only on the CPU kernels.
+///
+/// # Shapes
+/// Same as [`scaled_dot_product_attention`].
+pub(crate) fn run_route(
+    route: Route,
+    q: &Tensor,
+    k: &Tensor,
+    v: &Tensor,
+    mask: Option<&AttentionMask>,
+    scale: f64,
+    mode: WeightsMode<'_>,
+) -> Result<AttentionOutput> {
+    let need_weights = matches!(mode, WeightsMode::Return);
+    match route {
+        Route::FusedLayer | Route::CpuKernels => {
+            let (context, weights) = kernels::sdpa::attention(q, k, v, mask, scale, mode)?;
+            Ok(AttentionOutput { context, weights })
+        }
+        Route::CpuKernelsTrainable => Ok(AttentionOutput {
+            context: crate::sdpa_op::attention(q, k, v, mask, scale)?,
+            weights: None,
+        }),
+        Route::Flash => match crate::flash::try_flash_attention(q, k, v, mask, scale)? {
+            Some(context) => Ok(AttentionOutput {
                 context,
                 weights: None,
-            });
-        }
+            }),
+            None => explicit(q, k, v, mask, scale, need_weights),
+        },
+        Route::Explicit => explicit(q, k, v, mask, scale, need_weights),
     }
-    explicit(q, k, v, mask, scale, opts.need_weights)
 }
 
 /// Attention whose weights are handed to `on_block` one block of queries at a time instead
@@ -135,7 +166,8 @@ pub fn scaled_dot_product_attention_on(
 /// all 0 for a query whose keys are all masked), exactly the rows
 /// [`scaled_dot_product_attention`] would return. An error from `on_block` stops the call
 /// and is returned. Runs on the CPU (inputs elsewhere are copied there and the context
-/// copied back).
+/// copied back). When an input tracks gradients, the context is the differentiable one of
+/// [`scaled_dot_product_attention`] (the blocks are not differentiable).
 ///
 /// # Shapes
 /// - `q`, `k`, `v`, `mask`: as in [`scaled_dot_product_attention`]
@@ -151,6 +183,24 @@ pub fn scaled_dot_product_attention_streamed(
 ) -> Result<Tensor> {
     let (_, _, _, dk) = check_qkv(q, k, v)?;
     let scale = scale.unwrap_or(1.0 / (dk as f64).sqrt());
+    if dispatch::tracks(&[Some(q), Some(k), Some(v)]) {
+        // A differentiable context; the blocks from the kernels on the values alone.
+        let context = scaled_dot_product_attention_on(
+            q,
+            k,
+            v,
+            mask,
+            SdpaOptions {
+                scale: Some(scale),
+                need_weights: false,
+            },
+            AttentionPath::Auto,
+        )?
+        .context;
+        let (qd, kd, vd) = (q.detach(), k.detach(), v.detach());
+        scaled_dot_product_attention_streamed(&qd, &kd, &vd, mask, Some(scale), on_block)?;
+        return Ok(context);
+    }
     let device = q.device().clone();
     let cpu = |t: &Tensor| t.to_device(&Device::Cpu);
     let (qc, kc, vc) = (cpu(q)?, cpu(k)?, cpu(v)?);

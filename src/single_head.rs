@@ -3,6 +3,7 @@
 use candle_core::{Module, Tensor};
 use candle_nn::VarBuilder;
 
+use crate::config::AttentionConfig;
 use crate::error::{Error, Result};
 use crate::layout::{LinearWeights, WeightLayout};
 use crate::mask::AttentionMask;
@@ -30,6 +31,22 @@ impl SingleHeadSelfAttention {
     pub fn load(vb: VarBuilder) -> Result<Self> {
         let p = WeightLayout::Single.load(&vb)?;
         Self::new(p.q, p.k, p.v)
+    }
+
+    /// Loads or creates the head as `cfg` states it (layout [`WeightLayout::Single`],
+    /// causal flag): with the sizes stated (`with_hidden_size`, `with_head_dim` for `d_k`,
+    /// `with_v_head_dim` for `d_v`), a `VarBuilder` that makes variables (a `VarMap`)
+    /// creates `query`, `key` and `value` with candle-nn's default initialisation, and a
+    /// checkpoint's tensors must have those shapes.
+    pub fn load_with(vb: VarBuilder, cfg: &AttentionConfig) -> Result<Self> {
+        if cfg.layout != WeightLayout::Single {
+            return Err(Error::config(format!(
+                "a single head reads the `single` layout, the config names `{}`",
+                cfg.layout
+            )));
+        }
+        let p = WeightLayout::Single.load_sized(&vb, cfg.sizes()?.as_ref())?;
+        Ok(Self::new(p.q, p.k, p.v)?.with_causal(cfg.causal))
     }
 
     /// Builds the head from its three projections, checking their sizes.

@@ -23,11 +23,12 @@ pub fn masked_softmax(scores: &Tensor, bias: Option<&Tensor>) -> Result<Tensor> 
     // and leaves every finite max unchanged.
     let max = s.max_keepdim(D::Minus1)?.clamp(f32::MIN, f32::MAX)?;
     let e = s.broadcast_sub(&max)?.exp()?;
-    // Every row with a visible key holds exp(0) = 1, so its sum is >= 1 and the clamp is a
-    // no-op; a fully masked row sums to 0 and divides into zeros.
-    let sum = e
-        .sum_keepdim(D::Minus1)?
-        .clamp(f32::MIN_POSITIVE, f32::INFINITY)?;
+    // Every row with a visible key holds exp(0) = 1, so its sum is >= 1; a fully masked row
+    // sums to 0 and divides by 1 into zeros. A select, not a clamp: its backward gives
+    // such rows zero gradients (a clamp to a tiny sum squares into 0 / 0 = NaN there) and
+    // leaves the others exact (a clamp at 1 would halve the gradient of a one-key row).
+    let sum = e.sum_keepdim(D::Minus1)?;
+    let sum = sum.gt(0.0)?.where_cond(&sum, &sum.ones_like()?)?;
     Ok(e.broadcast_div(&sum)?)
 }
 
@@ -45,6 +46,25 @@ mod tests {
         assert_eq!(p[1], vec![0.0, 0.0, 0.0]);
         assert_eq!(p[0][1], 0.0);
         assert!((p[0][0] + p[0][2] - 1.0).abs() < 1e-6);
+        Ok(())
+    }
+
+    #[test]
+    fn fully_masked_row_has_zero_gradients() -> Result<()> {
+        let s = candle_core::Var::new(&[[1f32, 2., 3.], [4., 5., 6.]], &Device::Cpu)?;
+        let inf = f32::NEG_INFINITY;
+        let bias = Tensor::new(&[[0f32, 0., inf], [inf, inf, inf]], &Device::Cpu)?;
+        let w = Tensor::new(&[[1f32, -2., 3.], [1., 1., 1.]], &Device::Cpu)?;
+        let p = masked_softmax(s.as_tensor(), Some(&bias))?;
+        let g = (p * w)?.sum_all()?.backward()?;
+        let g: Vec<Vec<f32>> = g.get(s.as_tensor()).expect("grad").to_vec2()?;
+        assert_eq!(g[1], vec![0.0, 0.0, 0.0]);
+        // Row 0: p = softmax(1, 2) over two keys, d(sum p w)/ds = p (w - p . w).
+        let (p0, p1) = (1.0 / (1.0 + 1f32.exp()), 1f32.exp() / (1.0 + 1f32.exp()));
+        let pw = p0 - 2.0 * p1;
+        assert!((g[0][0] - p0 * (1.0 - pw)).abs() < 1e-6, "{g:?}");
+        assert!((g[0][1] - p1 * (-2.0 - pw)).abs() < 1e-6, "{g:?}");
+        assert_eq!(g[0][2], 0.0);
         Ok(())
     }
 

@@ -389,3 +389,105 @@ fn input_without_x_fails_cleanly() -> anyhow::Result<()> {
     assert_fails(&out, &["`x`"], "input without x");
     Ok(())
 }
+
+/// `--backward` on every gradient fixture (`scripts/gen_grad_fixtures.py`): the file is both
+/// the weights and the input; every gradient within 1e-4 of the case's largest one.
+#[test]
+fn backward_gradients_equal_pytorch_autograd() -> anyhow::Result<()> {
+    let text = std::fs::read_to_string(repo_path("tests/fixtures/grads.json"))?;
+    let json: serde_json::Value = serde_json::from_str(&text)?;
+    let cases = json["cases"]
+        .as_object()
+        .ok_or_else(|| anyhow::anyhow!("grads.json has no cases"))?;
+    let dir = TempDir::new("probe-backward")?;
+    for (case, meta) in cases {
+        let file = repo_path(&format!(
+            "tests/fixtures/{}",
+            meta["file"].as_str().unwrap_or_default()
+        ));
+        let heads = meta["heads"].as_u64().unwrap_or(1).to_string();
+        let mut args: Vec<std::ffi::OsString> = vec![
+            "--weights".into(),
+            file.clone().into(),
+            "--layout".into(),
+            meta["layout"].as_str().unwrap_or_default().into(),
+            "--prefix".into(),
+            meta["prefix"].as_str().unwrap_or_default().into(),
+            "--input".into(),
+            file.clone().into(),
+            "--output".into(),
+            dir.file(&format!("{case}.safetensors")).into(),
+            "--backward".into(),
+        ];
+        if meta["layout"] != "single" {
+            args.extend(["--heads".into(), heads.into()]);
+        }
+        if let Some(kv) = meta["kv_heads"].as_u64() {
+            args.extend(["--kv-heads".into(), kv.to_string().into()]);
+        }
+        if meta["causal"].as_bool().unwrap_or(false) {
+            args.push("--causal".into());
+        }
+        let refs: Vec<&std::ffi::OsStr> = args.iter().map(|a| a.as_os_str()).collect();
+        let out = run_probe(&refs)?;
+        anyhow::ensure!(
+            out.status.success(),
+            "{case}: layer_probe --backward failed: {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        let got =
+            candle_core::safetensors::load(dir.file(&format!("{case}.safetensors")), &Device::Cpu)?;
+        let want = candle_core::safetensors::load(&file, &Device::Cpu)?;
+        let expected: Vec<&String> = want
+            .keys()
+            .filter(|k| k.starts_with("grad.") || *k == "grad_x" || *k == "grad_kv")
+            .collect();
+        let mut largest = 0f32;
+        for k in &expected {
+            largest = largest.max(want[*k].abs()?.max_all()?.to_scalar::<f32>()?);
+        }
+        for k in expected {
+            let g = got
+                .get(k)
+                .ok_or_else(|| anyhow::anyhow!("{case}: no `{k}` in the output"))?;
+            anyhow::ensure!(g.dtype() == DType::F32, "{case}: `{k}` is {:?}", g.dtype());
+            assert_close(g, &want[k], 1e-4 * largest, &format!("{case} {k}"))?;
+        }
+        assert_close(
+            &got["context"],
+            &want["context"],
+            CONTEXT_TOL,
+            &format!("{case} context"),
+        )?;
+        anyhow::ensure!(got.contains_key("weights"), "{case}: no weights");
+        let grads = got.keys().filter(|k| k.starts_with("grad.")).count();
+        anyhow::ensure!(
+            grads == meta["params"].as_array().map_or(0, Vec::len),
+            "{case}: {grads} parameter gradients written"
+        );
+    }
+    Ok(())
+}
+
+#[test]
+fn backward_without_grad_context_fails_cleanly() -> anyhow::Result<()> {
+    let dir = TempDir::new("probe-backward-missing")?;
+    let (args, input) = torch_mha_setup(&dir)?;
+    let out = run_probe(&[
+        "--weights".as_ref(),
+        args.weights.as_os_str(),
+        "--layout".as_ref(),
+        "torch-mha".as_ref(),
+        "--prefix".as_ref(),
+        args.prefix.as_deref().unwrap_or("").as_ref(),
+        "--heads".as_ref(),
+        "4".as_ref(),
+        "--input".as_ref(),
+        input.as_os_str(),
+        "--output".as_ref(),
+        dir.file("out.safetensors").as_os_str(),
+        "--backward".as_ref(),
+    ])?;
+    assert_fails(&out, &["grad_context"], "--backward without grad_context");
+    Ok(())
+}

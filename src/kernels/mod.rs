@@ -17,6 +17,7 @@
 //! Matrix products go through the `gemm` crate (the AVX-512 / AVX2 kernels candle's CPU
 //! matmul uses); the softmax's `exp` is vectorised in [`simd`].
 
+pub(crate) mod backward;
 pub(crate) mod cpu_tensor;
 mod flash;
 mod mask_plan;
@@ -54,6 +55,17 @@ pub(crate) enum WeightsMode<'f> {
     Return,
     /// Hand the weights block by block to the callback.
     Stream(&'f mut dyn FnMut(WeightsBlock<'_>) -> Result<()>),
+}
+
+impl WeightsMode<'_> {
+    /// What the weights are wanted for, as [`crate::dispatch`] sees it.
+    pub(crate) fn kind(&self) -> crate::dispatch::Weights {
+        match self {
+            WeightsMode::Skip => crate::dispatch::Weights::Skip,
+            WeightsMode::Return => crate::dispatch::Weights::Return,
+            WeightsMode::Stream(_) => crate::dispatch::Weights::Stream,
+        }
+    }
 }
 
 /// Runs `p` writing the context into `out`; returns the weights in [`WeightsMode::Return`].
