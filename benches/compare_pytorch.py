@@ -3,7 +3,7 @@
 
     python3 benches/compare_pytorch.py --batch 1 --seq 128 --hidden 768 --heads 12 \
         [--kv-heads N] [--causal] [--weights] [--dtype f32] [--iters N] [--core] \
-        [--impl mha|matmul] [--threads 2] [--json]
+        [--impl mha|matmul] [--threads 2] [--train] [--json]
 
 Without --core: torch.nn.MultiheadAttention (batch_first, biases, eval, inference mode),
 self-attention forward with need_weights=--weights (average_attn_weights=False, so the
@@ -16,6 +16,11 @@ with --weights, the explicit softmax(q k^T * scale + mask) and weights @ v (SDPA
 weights).
 
 --impl matmul: a seq x seq by seq x seq f32 torch.mm (the machine's reference throughput).
+
+--train: one training step instead of a forward (as examples/bench.rs --train): the module in
+train mode (dropout 0) or q, k, v with --core, x and every parameter requiring grad, the
+forward without weights, then backward of sum(context * g) (no optimizer update); gflops
+count a step as 3 forwards.
 
 Prints one JSON object {"batch", "seq", "hidden", "heads", "median_ms", "gflops",
 "peak_rss_mb", ...} with --json (peak_rss_mb is the process's ru_maxrss, which includes
@@ -47,8 +52,12 @@ def parse_args():
     p.add_argument("--impl", dest="impl", default="mha", choices=["mha", "matmul"])
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--device", default="cpu", help="cpu or cuda[:N] (timed to completion)")
+    p.add_argument("--train", action="store_true")
     p.add_argument("--json", action="store_true")
-    return p.parse_args()
+    a = p.parse_args()
+    if a.train and (a.weights or a.impl == "matmul"):
+        p.error("--train times the gradients of the context: no --weights, --impl mha")
+    return a
 
 
 def causal_pairs(seq):
@@ -62,11 +71,10 @@ def flops(a, kvh):
     hd = d // h
     pairs = causal_pairs(t) if a.causal else t * t
     attention = 2 * a.batch * h * pairs * (2 * hd)
-    if a.core:
-        return float(attention)
     projections = 2 * a.batch * t * d * (h * hd + 2 * kvh * hd)
     output = 2 * a.batch * t * d * d
-    return float(projections + attention + output)
+    forward = float(attention if a.core else projections + attention + output)
+    return 3.0 * forward if a.train else forward
 
 
 def main():
@@ -90,9 +98,9 @@ def main():
             torch.mm(x, y)
 
     elif a.core:
-        q = torch.randn(b, h, t, hd, dtype=dtype, device=dev)
-        k = torch.randn(b, kvh, t, hd, dtype=dtype, device=dev)
-        v = torch.randn(b, kvh, t, hd, dtype=dtype, device=dev)
+        q = torch.randn(b, h, t, hd, dtype=dtype, device=dev, requires_grad=a.train)
+        k = torch.randn(b, kvh, t, hd, dtype=dtype, device=dev, requires_grad=a.train)
+        v = torch.randn(b, kvh, t, hd, dtype=dtype, device=dev, requires_grad=a.train)
         gqa = kvh != h
         scale = 1.0 / math.sqrt(hd)
         mask = None
@@ -112,8 +120,9 @@ def main():
     else:
         if kvh != h:
             sys.exit("nn.MultiheadAttention has no grouped key/value heads; use --core for GQA")
-        mha = torch.nn.MultiheadAttention(d, h, batch_first=True, dtype=dtype, device=dev).eval()
-        x = torch.randn(b, t, d, dtype=dtype, device=dev)
+        mha = torch.nn.MultiheadAttention(d, h, batch_first=True, dtype=dtype, device=dev)
+        mha = mha.train() if a.train else mha.eval()
+        x = torch.randn(b, t, d, dtype=dtype, device=dev, requires_grad=a.train)
         mask = torch.nn.Transformer.generate_square_subsequent_mask(t, device=dev, dtype=dtype) if a.causal else None
 
         def run():
@@ -131,11 +140,26 @@ def main():
 
     inner = run
 
-    def run():
-        inner()
-        sync()
+    if a.train:
+        out_shape = (b, h, t, hd) if a.core else (b, t, d)
+        g = torch.randn(*out_shape, dtype=dtype, device=dev)
+        params = [p for p in (mha.parameters() if not a.core else [])]
 
-    with torch.inference_mode():
+        def run():
+            out = inner()
+            context = out[0] if isinstance(out, tuple) else out
+            (context * g).sum().backward()
+            # Gradients accumulate in .grad; reset them as an optimizer's zero_grad does.
+            for p in params + ([q, k, v] if a.core else [x]):
+                p.grad = None
+            sync()
+    else:
+        def run():
+            inner()
+            sync()
+
+    import contextlib
+    with (contextlib.nullcontext() if a.train else torch.inference_mode()):
         t0 = time.perf_counter()
         run()  # warm-up
         first = time.perf_counter() - t0
@@ -161,6 +185,7 @@ def main():
         "median_ms": round(median_ms, 3), "gflops": round(gflops, 3), "peak_rss_mb": round(rss, 3),
         "kv_heads": kvh, "causal": a.causal, "weights": a.weights, "core": a.core,
         "dtype": a.dtype, "impl": "pytorch " + what, "threads": a.threads, "iters": iters,
+        "train": a.train,
         "torch": torch.__version__, "device": a.device,
     }
     if a.json:

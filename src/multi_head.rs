@@ -12,6 +12,7 @@ use crate::layout::{LinearWeights, Projections};
 use crate::mask::AttentionMask;
 use crate::output::AttentionOutput;
 use crate::sdpa::{self, scaled_dot_product_attention_streamed, AttentionPath};
+use crate::sdpa_op::{self, PackedSizes};
 use crate::stored_weight::StoredWeight;
 
 /// Q, K and V projections. Fused into one matrix at load time whenever the three read the
@@ -530,16 +531,15 @@ impl MultiHeadSelfAttention {
             let (context, weights) = self_attention::forward(&layer, x, kv, mask, mode)?;
             return Ok(AttentionOutput { context, weights });
         }
-        let (q, k, v, s) = match kv {
+        // The projections: Q, K, V side by side in one product's rows for self-attention,
+        // Q and K | V in two for cross-attention.
+        let (rows, kv_rows, s) = match kv {
             None => {
-                let (q, k, v) = match &self.qkv {
+                let qkv = match &self.qkv {
                     QkvProjection::Fused { weight_t, bias } => {
                         let w = weight_t.tensor()?; // (hidden, q+k+v)
-                        let qkv = linear_in_out(&x.reshape((b * t, d))?, &w, bias.as_ref())?; // (b*t, q+k+v)
-                        let q = qkv.narrow(1, 0, h * hd)?; // (b*t, h*hd)
-                        let k = qkv.narrow(1, h * hd, kvh * hd)?; // (b*t, kvh*hd)
-                        let v = qkv.narrow(1, (h + kvh) * hd, kvh * vhd)?; // (b*t, kvh*vhd)
-                        (q, k, v)
+                        linear_in_out(&x.reshape((b * t, d))?, &w, bias.as_ref())?
+                        // (b*t, q+k+v)
                     }
                     QkvProjection::Separate { q, k, v } => {
                         if self.kv_hidden != self.hidden {
@@ -555,37 +555,65 @@ impl MultiHeadSelfAttention {
                         // One product for Q, K and V, on the weights as they are now.
                         let w = Tensor::cat(&[&q.weight, &k.weight, &v.weight], 0)?; // (q+k+v, hidden)
                         let bias = fused_bias(q, k, v)?;
-                        let qkv = linear(&x.reshape((b * t, d))?, &w, bias.as_ref())?; // (b*t, q+k+v)
-                        let q = qkv.narrow(1, 0, h * hd)?; // (b*t, h*hd)
-                        let k = qkv.narrow(1, h * hd, kvh * hd)?; // (b*t, kvh*hd)
-                        let v = qkv.narrow(1, (h + kvh) * hd, kvh * vhd)?; // (b*t, kvh*vhd)
-                        (q, k, v)
+                        linear(&x.reshape((b * t, d))?, &w, bias.as_ref())? // (b*t, q+k+v)
                     }
                 };
-                (q, k, v, t)
+                (qkv, None, t)
             }
             Some(kv) => {
                 let (_, s, dk) = kv.dims3()?; // checked above
                 let (wq, bq, wkv, bkv) = self.split_for_cross()?;
                 let q = linear_in_out(&x.reshape((b * t, d))?, &wq, bq.as_ref())?; // (b*t, h*hd)
                 let kvp = linear_in_out(&kv.reshape((b * s, dk))?, &wkv, bkv.as_ref())?; // (b*s, kvh*(hd+vhd))
-                let k = kvp.narrow(1, 0, kvh * hd)?; // (b*s, kvh*hd)
-                let v = kvp.narrow(1, kvh * hd, kvh * vhd)?; // (b*s, kvh*vhd)
-                (q, k, v, s)
+                (q, Some(kvp), s)
             }
         };
-        let q = q.reshape((b, t, h, hd))?.transpose(1, 2)?; // (b, h, t, hd)
-        let k = k.reshape((b, s, kvh, hd))?.transpose(1, 2)?; // (b, kvh, s, hd)
-        let v = v.reshape((b, s, kvh, vhd))?.transpose(1, 2)?; // (b, kvh, s, vhd)
         let scale = self.scale.unwrap_or(1.0 / (hd as f64).sqrt());
-        let out = match mode {
-            WeightsMode::Stream(f) => AttentionOutput {
-                context: scaled_dot_product_attention_streamed(&q, &k, &v, mask, self.scale, f)?,
-                weights: None,
-            },
-            mode => sdpa::run_route(route, &q, &k, &v, mask, scale, mode)?,
+        let (ctx, weights) = if route == Route::CpuKernelsTrainable {
+            // Heads read in place from the projections, context written merged, and the
+            // backward writes straight into the projections' gradient layout.
+            let sizes = PackedSizes {
+                batch: b,
+                seq_q: t,
+                seq_k: s,
+                heads: h,
+                kv_heads: kvh,
+                head_dim: hd,
+                v_head_dim: vhd,
+            };
+            let context = match &kv_rows {
+                None => sdpa_op::packed_self_attention(&rows, sizes, mask, scale)?,
+                Some(kvp) => sdpa_op::packed_cross_attention(&rows, kvp, sizes, mask, scale)?,
+            }; // (b, t, h*vhd)
+            (context, None)
+        } else {
+            let (q, k, v) = match &kv_rows {
+                None => (
+                    rows.narrow(1, 0, h * hd)?,                 // (b*t, h*hd)
+                    rows.narrow(1, h * hd, kvh * hd)?,          // (b*t, kvh*hd)
+                    rows.narrow(1, (h + kvh) * hd, kvh * vhd)?, // (b*t, kvh*vhd)
+                ),
+                Some(kvp) => (
+                    rows.clone(),                        // (b*t, h*hd)
+                    kvp.narrow(1, 0, kvh * hd)?,         // (b*s, kvh*hd)
+                    kvp.narrow(1, kvh * hd, kvh * vhd)?, // (b*s, kvh*vhd)
+                ),
+            };
+            let q = q.reshape((b, t, h, hd))?.transpose(1, 2)?; // (b, h, t, hd)
+            let k = k.reshape((b, s, kvh, hd))?.transpose(1, 2)?; // (b, kvh, s, hd)
+            let v = v.reshape((b, s, kvh, vhd))?.transpose(1, 2)?; // (b, kvh, s, vhd)
+            let out = match mode {
+                WeightsMode::Stream(f) => AttentionOutput {
+                    context: scaled_dot_product_attention_streamed(
+                        &q, &k, &v, mask, self.scale, f,
+                    )?,
+                    weights: None,
+                },
+                mode => sdpa::run_route(route, &q, &k, &v, mask, scale, mode)?,
+            };
+            let ctx = out.context.transpose(1, 2)?.reshape((b, t, h * vhd))?; // (b, t, h*vhd)
+            (ctx, out.weights)
         };
-        let ctx = out.context.transpose(1, 2)?.reshape((b, t, h * vhd))?; // (b, t, h*vhd)
         let context = match &self.out_proj {
             Some(o) => {
                 let w = o.weight_t.tensor()?; // (h*vhd, out)
@@ -595,10 +623,7 @@ impl MultiHeadSelfAttention {
             }
             None => ctx,
         };
-        Ok(AttentionOutput {
-            context,
-            weights: out.weights,
-        })
+        Ok(AttentionOutput { context, weights })
     }
 
     fn check_input(&self, name: &str, x: &Tensor, width: usize) -> Result<(usize, usize, usize)> {

@@ -8,6 +8,8 @@ use candle_core::{CpuStorage, CustomOp3, Layout, Shape, Tensor};
 
 use crate::error::{Error, Result};
 use crate::kernels;
+use crate::kernels::cpu_tensor::CpuF32;
+use crate::kernels::sdpa::{PackedGrad, PackedHeads};
 use crate::mask::AttentionMask;
 
 /// `softmax(scale * Q K^T + mask) V` as a candle op. The mask is a constant of the op.
@@ -112,6 +114,292 @@ impl CustomOp3 for SdpaOp {
                 self.scale,
             )?;
             Ok((Some(dq), Some(dk), Some(dv)))
+        };
+        run().map_err(Error::into_candle)
+    }
+}
+
+/// Sizes of attention on fused projection outputs: Q, K and V heads side by side in rows.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct PackedSizes {
+    pub batch: usize,
+    pub seq_q: usize,
+    pub seq_k: usize,
+    pub heads: usize,
+    pub kv_heads: usize,
+    pub head_dim: usize,
+    pub v_head_dim: usize,
+}
+
+impl PackedSizes {
+    fn q_cols(&self) -> usize {
+        self.heads * self.head_dim
+    }
+    fn kv_cols(&self) -> usize {
+        self.kv_heads * (self.head_dim + self.v_head_dim)
+    }
+    /// Q, K and V heads in one buffer of `(batch * seq, q | k | v)` rows.
+    fn self_heads<'a>(
+        &self,
+        data: &'a [f32],
+    ) -> (PackedHeads<'a>, PackedHeads<'a>, PackedHeads<'a>) {
+        let cols = self.q_cols() + self.kv_cols();
+        let at = |col0, heads, width| PackedHeads {
+            data,
+            offset: 0,
+            seq: self.seq_q,
+            cols,
+            col0,
+            heads,
+            width,
+        };
+        (
+            at(0, self.heads, self.head_dim),
+            at(self.q_cols(), self.kv_heads, self.head_dim),
+            at(
+                self.q_cols() + self.kv_heads * self.head_dim,
+                self.kv_heads,
+                self.v_head_dim,
+            ),
+        )
+    }
+    /// Q heads in `(batch * seq_q, q)` rows, K and V in `(batch * seq_k, k | v)` rows.
+    fn cross_heads<'a>(
+        &self,
+        q: &'a [f32],
+        kv: &'a [f32],
+    ) -> (PackedHeads<'a>, PackedHeads<'a>, PackedHeads<'a>) {
+        let k_cols = self.kv_heads * self.head_dim;
+        let kv_at = |col0, width| PackedHeads {
+            data: kv,
+            offset: 0,
+            seq: self.seq_k,
+            cols: self.kv_cols(),
+            col0,
+            heads: self.kv_heads,
+            width,
+        };
+        (
+            PackedHeads {
+                data: q,
+                offset: 0,
+                seq: self.seq_q,
+                cols: self.q_cols(),
+                col0: 0,
+                heads: self.heads,
+                width: self.head_dim,
+            },
+            kv_at(0, self.head_dim),
+            kv_at(k_cols, self.v_head_dim),
+        )
+    }
+    fn context_shape(&self) -> Shape {
+        Shape::from((self.batch, self.seq_q, self.heads * self.v_head_dim))
+    }
+}
+
+/// Self-attention on a fused `(batch * seq, q | k | v)` projection, heads read in place;
+/// differentiable to the projection.
+struct PackedSelfOp {
+    mask: Option<AttentionMask>,
+    scale: f64,
+    sizes: PackedSizes,
+}
+
+/// Cross-attention on `(batch * seq_q, q)` and `(batch * seq_k, k | v)` projections.
+struct PackedCrossOp {
+    mask: Option<AttentionMask>,
+    scale: f64,
+    sizes: PackedSizes,
+}
+
+/// The f32 values of a contiguous CPU storage view.
+fn contiguous<'a>(s: &'a CpuStorage, l: &Layout, name: &str) -> Result<&'a [f32]> {
+    let CpuStorage::F32(v) = s else {
+        return Err(Error::Kernel(format!(
+            "`{name}` must be f32 for the differentiable CPU attention, found {:?}",
+            s.dtype()
+        )));
+    };
+    match l.contiguous_offsets() {
+        Some((start, end)) if end <= v.len() => Ok(&v[start..end]),
+        _ => Err(Error::Kernel(format!(
+            "`{name}` must be contiguous, found dims {:?} strides {:?}",
+            l.dims(),
+            l.stride()
+        ))),
+    }
+}
+
+/// `t` in f32 and contiguous (a no-op for the op's own inputs and outputs).
+fn dense(t: &Tensor) -> Result<Tensor> {
+    Ok(t.to_dtype(candle_core::DType::F32)?.contiguous()?)
+}
+
+/// `(batch * seq_q | batch * seq_k, cols)` rows of a projection for the op.
+fn rows(t: &Tensor) -> Result<Tensor> {
+    Ok(t.contiguous()?)
+}
+
+/// Self-attention on a fused projection `qkv` `(batch * seq, q | k | v)`; returns the
+/// context `(batch, seq, heads * v_head_dim)` with heads merged.
+pub(crate) fn packed_self_attention(
+    qkv: &Tensor,
+    sizes: PackedSizes,
+    mask: Option<&AttentionMask>,
+    scale: f64,
+) -> Result<Tensor> {
+    let op = PackedSelfOp {
+        mask: mask.filter(|m| !m.is_empty()).cloned(),
+        scale,
+        sizes,
+    };
+    Ok(rows(qkv)?.apply_op1(op)?)
+}
+
+/// Cross-attention on `q` `(batch * seq_q, q)` and `kv` `(batch * seq_k, k | v)`; returns
+/// the context `(batch, seq_q, heads * v_head_dim)`.
+pub(crate) fn packed_cross_attention(
+    q: &Tensor,
+    kv: &Tensor,
+    sizes: PackedSizes,
+    mask: Option<&AttentionMask>,
+    scale: f64,
+) -> Result<Tensor> {
+    let op = PackedCrossOp {
+        mask: mask.filter(|m| !m.is_empty()).cloned(),
+        scale,
+        sizes,
+    };
+    Ok(rows(q)?.apply_op2(&rows(kv)?, op)?)
+}
+
+impl candle_core::CustomOp1 for PackedSelfOp {
+    fn name(&self) -> &'static str {
+        "candle-attention-packed-self-attention"
+    }
+
+    fn cpu_fwd(&self, s: &CpuStorage, l: &Layout) -> candle_core::Result<(CpuStorage, Shape)> {
+        let run = || -> Result<(CpuStorage, Shape)> {
+            let data = contiguous(s, l, "qkv")?;
+            let ctx = kernels::sdpa::packed_attention(
+                self.sizes.batch,
+                self.sizes.self_heads(data),
+                self.mask.as_ref(),
+                self.scale,
+            )?;
+            Ok((CpuStorage::F32(ctx), self.sizes.context_shape()))
+        };
+        run().map_err(Error::into_candle)
+    }
+
+    fn bwd(
+        &self,
+        qkv: &Tensor,
+        res: &Tensor,
+        grad_res: &Tensor,
+    ) -> candle_core::Result<Option<Tensor>> {
+        let run = || -> Result<Option<Tensor>> {
+            let z = self.sizes;
+            let (qkv_t, res_t, grad_t) = (dense(qkv)?, dense(res)?, dense(grad_res)?);
+            let (data, o, d_o) = (
+                CpuF32::new(&qkv_t, "qkv")?,
+                CpuF32::new(&res_t, "context")?,
+                CpuF32::new(&grad_t, "context gradient")?,
+            );
+            let (data, o, d_o) = (data.contiguous()?, o.contiguous()?, d_o.contiguous()?);
+            let cols = z.q_cols() + z.kv_cols();
+            let mut grad = vec![0f32; z.batch * z.seq_q * cols];
+            let at = |col0| PackedGrad { cols, col0 };
+            kernels::sdpa::packed_attention_backward(
+                z.batch,
+                z.self_heads(data),
+                o,
+                d_o,
+                self.mask.as_ref(),
+                self.scale,
+                (&mut grad, at(0)),
+                None,
+                (at(z.q_cols()), at(z.q_cols() + z.kv_heads * z.head_dim)),
+            )?;
+            Ok(Some(Tensor::from_vec(grad, qkv.shape(), qkv.device())?))
+        };
+        run().map_err(Error::into_candle)
+    }
+}
+
+impl candle_core::CustomOp2 for PackedCrossOp {
+    fn name(&self) -> &'static str {
+        "candle-attention-packed-cross-attention"
+    }
+
+    fn cpu_fwd(
+        &self,
+        s1: &CpuStorage,
+        l1: &Layout,
+        s2: &CpuStorage,
+        l2: &Layout,
+    ) -> candle_core::Result<(CpuStorage, Shape)> {
+        let run = || -> Result<(CpuStorage, Shape)> {
+            let q = contiguous(s1, l1, "q")?;
+            let kv = contiguous(s2, l2, "kv")?;
+            let ctx = kernels::sdpa::packed_attention(
+                self.sizes.batch,
+                self.sizes.cross_heads(q, kv),
+                self.mask.as_ref(),
+                self.scale,
+            )?;
+            Ok((CpuStorage::F32(ctx), self.sizes.context_shape()))
+        };
+        run().map_err(Error::into_candle)
+    }
+
+    fn bwd(
+        &self,
+        q: &Tensor,
+        kv: &Tensor,
+        res: &Tensor,
+        grad_res: &Tensor,
+    ) -> candle_core::Result<(Option<Tensor>, Option<Tensor>)> {
+        let run = || -> Result<(Option<Tensor>, Option<Tensor>)> {
+            let z = self.sizes;
+            let (q_t, kv_t) = (dense(q)?, dense(kv)?);
+            let (res_t, grad_t) = (dense(res)?, dense(grad_res)?);
+            let (qc, kvc, oc, doc) = (
+                CpuF32::new(&q_t, "q")?,
+                CpuF32::new(&kv_t, "kv")?,
+                CpuF32::new(&res_t, "context")?,
+                CpuF32::new(&grad_t, "context gradient")?,
+            );
+            let (qd, kvd) = (qc.contiguous()?, kvc.contiguous()?);
+            let (o, d_o) = (oc.contiguous()?, doc.contiguous()?);
+            let mut gq = vec![0f32; qd.len()];
+            let mut gkv = vec![0f32; kvd.len()];
+            let kv_at = |col0| PackedGrad {
+                cols: z.kv_cols(),
+                col0,
+            };
+            kernels::sdpa::packed_attention_backward(
+                z.batch,
+                z.cross_heads(qd, kvd),
+                o,
+                d_o,
+                self.mask.as_ref(),
+                self.scale,
+                (
+                    &mut gq,
+                    PackedGrad {
+                        cols: z.q_cols(),
+                        col0: 0,
+                    },
+                ),
+                Some(&mut gkv),
+                (kv_at(0), kv_at(z.kv_heads * z.head_dim)),
+            )?;
+            Ok((
+                Some(Tensor::from_vec(gq, q.shape(), q.device())?),
+                Some(Tensor::from_vec(gkv, kv.shape(), kv.device())?),
+            ))
         };
         run().map_err(Error::into_candle)
     }

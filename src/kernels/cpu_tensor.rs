@@ -39,6 +39,22 @@ impl<'a> CpuF32<'a> {
         }
     }
 
+    /// The values of a contiguous tensor, in order.
+    pub fn contiguous(&self) -> Result<&[f32]> {
+        match self.layout.contiguous_offsets() {
+            Some((start, end)) => self
+                .slice()?
+                .get(start..end)
+                .ok_or_else(|| Error::Kernel(format!("`{}` runs past its storage", self.name))),
+            None => Err(Error::Kernel(format!(
+                "`{}` must be contiguous, found dims {:?} strides {:?}",
+                self.name,
+                self.layout.dims(),
+                self.layout.stride()
+            ))),
+        }
+    }
+
     pub fn layout(&self) -> &Layout {
         self.layout
     }

@@ -201,3 +201,171 @@ pub(crate) fn attention_backward(
         Tensor::from_vec(gv, (b, kvh, sk, dv), &Device::Cpu)?, // (b, kvh, sk, dv)
     ))
 }
+
+/// The heads of one of Q, K or V inside a row-major `(batch * seq, cols)` f32 matrix (a fused
+/// projection's output): head `h` of row `(b, i)` is `data[offset + (b * seq + i) * cols +
+/// col0 + h * width ..][..width]`.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct PackedHeads<'a> {
+    pub data: &'a [f32],
+    pub offset: usize,
+    pub seq: usize,
+    pub cols: usize,
+    pub col0: usize,
+    pub heads: usize,
+    pub width: usize,
+}
+
+impl<'a> PackedHeads<'a> {
+    fn operand(&self) -> Operand<'a> {
+        Operand {
+            data: self.data,
+            offset: self.offset + self.col0,
+            sb: self.seq * self.cols,
+            sh: self.width,
+            sr: self.cols,
+        }
+    }
+}
+
+/// The problem of `q`, `k` and `v` in packed form, built and handed to `f`.
+fn with_packed_problem<R>(
+    batch: usize,
+    (q, k, v): (PackedHeads<'_>, PackedHeads<'_>, PackedHeads<'_>),
+    mask: Option<&AttentionMask>,
+    scale: f64,
+    f: impl FnOnce(&Problem<'_>) -> Result<R>,
+) -> Result<R> {
+    if k.seq != v.seq || k.heads != v.heads || q.width != k.width {
+        return Err(Error::Kernel(format!(
+            "packed heads do not fit together: q {} x {}, k {} x {} over {} keys, v {} x {} over {}",
+            q.heads, q.width, k.heads, k.width, k.seq, v.heads, v.width, v.seq
+        )));
+    }
+    let plan = MaskPlan::new(mask, batch, q.heads, q.seq, k.seq)?;
+    let dense = plan.dense().map(|t| CpuF32::new(t, "mask")).transpose()?;
+    let problem = Problem {
+        batch,
+        heads: q.heads,
+        kv_heads: k.heads,
+        seq_q: q.seq,
+        seq_k: k.seq,
+        dk: q.width,
+        dv: v.width,
+        q: q.operand(),
+        k: k.operand(),
+        v: v.operand(),
+        scale: scale as f32,
+        mask: plan.kernel_mask(dense.as_ref())?,
+    };
+    problem.validate()?;
+    f(&problem)
+}
+
+/// The context as `(batch * seq_q, heads * d_v)` rows (heads merged) of packed Q, K, V.
+pub(crate) fn packed_attention(
+    batch: usize,
+    qkv: (PackedHeads<'_>, PackedHeads<'_>, PackedHeads<'_>),
+    mask: Option<&AttentionMask>,
+    scale: f64,
+) -> Result<Vec<f32>> {
+    with_packed_problem(batch, qkv, mask, scale, |p| {
+        let (h, sq, dv) = (p.heads, p.seq_q, p.dv);
+        let mut ctx = vec![0f32; batch * sq * h * dv];
+        {
+            let out = OutOperand {
+                buf: SharedOut::new(&mut ctx),
+                offset: 0,
+                sb: sq * h * dv,
+                sh: dv,
+                sr: h * dv,
+            };
+            run(p, &out, WeightsMode::Skip)?;
+        }
+        Ok(ctx)
+    })
+}
+
+/// Where one gradient goes: columns `col0..col0 + heads * width` of a `(batch * seq, cols)`
+/// row-major buffer.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct PackedGrad {
+    pub cols: usize,
+    pub col0: usize,
+}
+
+/// Gradients of [`packed_attention`] given the context `o` and its gradient `d_o` (both
+/// `(batch * seq_q, heads * d_v)` rows), written into `dst` buffers in the packed layout of
+/// the inputs: `dst.0` receives dQ, `dst.1` dK and dV (the same buffer for self-attention,
+/// where `dq_at`, `dk_at` and `dv_at` pick the columns).
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn packed_attention_backward(
+    batch: usize,
+    qkv: (PackedHeads<'_>, PackedHeads<'_>, PackedHeads<'_>),
+    o: &[f32],
+    d_o: &[f32],
+    mask: Option<&AttentionMask>,
+    scale: f64,
+    (dq_buf, dq_at): (&mut [f32], PackedGrad),
+    kv_dst: Option<&mut [f32]>,
+    (dk_at, dv_at): (PackedGrad, PackedGrad),
+) -> Result<()> {
+    let (q, k, v) = qkv;
+    let (sq, sk) = (q.seq, k.seq);
+    let (gq, gk, gv) = with_packed_problem(batch, qkv, mask, scale, |p| {
+        let (h, dv) = (p.heads, p.dv);
+        let ctx_rows = |data| Operand {
+            data,
+            offset: 0,
+            sb: sq * h * dv,
+            sh: dv,
+            sr: h * dv,
+        };
+        super::backward::attention_backward(p, ctx_rows(o), ctx_rows(d_o))
+    })?;
+    scatter_heads(&gq, dq_buf, batch, sq, q.heads, q.width, dq_at)?;
+    let kv_buf = match kv_dst {
+        Some(buf) => buf,
+        None => dq_buf,
+    };
+    scatter_heads(&gk, kv_buf, batch, sk, k.heads, k.width, dk_at)?;
+    scatter_heads(&gv, kv_buf, batch, sk, v.heads, v.width, dv_at)
+}
+
+/// Copies contiguous `(batch, heads, seq, width)` values into columns of packed rows.
+fn scatter_heads(
+    src: &[f32],
+    dst: &mut [f32],
+    batch: usize,
+    seq: usize,
+    heads: usize,
+    width: usize,
+    at: PackedGrad,
+) -> Result<()> {
+    use rayon::prelude::*;
+    if at.col0 + heads * width > at.cols
+        || dst.len() != batch * seq * at.cols
+        || src.len() != batch * heads * seq * width
+    {
+        return Err(Error::Kernel(format!(
+            "gradient of {heads} x {width} columns from {} does not fit rows of {} ({} values for {batch} x {seq})",
+            at.col0,
+            at.cols,
+            dst.len()
+        )));
+    }
+    if at.cols == 0 {
+        return Ok(());
+    }
+    dst.par_chunks_mut(at.cols)
+        .enumerate()
+        .for_each(|(row, dst_row)| {
+            let (b, i) = (row / seq, row % seq);
+            for hh in 0..heads {
+                let s = ((b * heads + hh) * seq + i) * width;
+                let d = at.col0 + hh * width;
+                dst_row[d..d + width].copy_from_slice(&src[s..s + width]);
+            }
+        });
+    Ok(())
+}
