@@ -53,6 +53,7 @@ pub mod dispatch;
 mod error;
 mod flash;
 mod kernels;
+mod layer_op;
 mod layout;
 mod mask;
 mod memory;

@@ -7,7 +7,9 @@ use crate::config::AttentionConfig;
 use crate::cost::{layer_cost, AttentionCost, LayerDims};
 use crate::dispatch::{self, Call, Route};
 use crate::error::{Error, Result};
+use crate::kernels::trainable_layer::LayerShape;
 use crate::kernels::{self_attention, WeightsBlock, WeightsMode};
+use crate::layer_op;
 use crate::layout::{LinearWeights, Projections};
 use crate::mask::AttentionMask;
 use crate::output::AttentionOutput;
@@ -531,6 +533,30 @@ impl MultiHeadSelfAttention {
             let (context, weights) = self_attention::forward(&layer, x, kv, mask, mode)?;
             return Ok(AttentionOutput { context, weights });
         }
+        let scale = self.scale.unwrap_or(1.0 / (hd as f64).sqrt());
+        if route == Route::CpuKernelsTrainable && kv.is_none() {
+            // The whole layer as one differentiable op on the CPU kernels.
+            let (w, bias) = self.flat_parameters()?;
+            let shape = LayerShape {
+                batch: b,
+                seq: t,
+                hidden: d,
+                heads: h,
+                kv_heads: kvh,
+                head_dim: hd,
+                v_head_dim: vhd,
+                out: match &self.out_proj {
+                    Some(o) => Some(o.weight_t.dims()?.1),
+                    None => None,
+                },
+                scale,
+            };
+            let context = layer_op::self_attention(x, &w, &bias, shape, mask)?;
+            return Ok(AttentionOutput {
+                context,
+                weights: None,
+            });
+        }
         // The projections: Q, K, V side by side in one product's rows for self-attention,
         // Q and K | V in two for cross-attention.
         let (rows, kv_rows, s) = match kv {
@@ -568,7 +594,6 @@ impl MultiHeadSelfAttention {
                 (q, Some(kvp), s)
             }
         };
-        let scale = self.scale.unwrap_or(1.0 / (hd as f64).sqrt());
         let (ctx, weights) = if route == Route::CpuKernelsTrainable {
             // Heads read in place from the projections, context written merged, and the
             // backward writes straight into the projections' gradient layout.
@@ -656,6 +681,39 @@ impl MultiHeadSelfAttention {
             ));
         }
         Ok((b, t, d))
+    }
+
+    /// Every weight and bias as the layer op takes them (see
+    /// `kernels::trainable_layer::LayerShape`): `W_qkv` `(q + k + v, hidden)` then `W_O`
+    /// flattened, and the biases (zeros where there are none), read from the current
+    /// tensors so that gradients flow back to them.
+    fn flat_parameters(&self) -> Result<(Tensor, Tensor)> {
+        let (w_qkv, b_qkv) = match &self.qkv {
+            QkvProjection::Fused { weight_t, bias } => (weight_t.tensor()?.t()?, bias.clone()),
+            QkvProjection::Separate { q, k, v } => (
+                Tensor::cat(&[&q.weight, &k.weight, &v.weight], 0)?,
+                fused_bias(q, k, v)?,
+            ),
+        }; // (q+k+v, hidden)
+        let (c, _) = w_qkv.dims2()?;
+        let dev = w_qkv.device().clone();
+        let dtype = w_qkv.dtype();
+        let b_qkv = match b_qkv {
+            Some(b) => b,
+            None => Tensor::zeros(c, dtype, &dev)?,
+        };
+        let mut weights = vec![w_qkv.flatten_all()?];
+        let mut biases = vec![b_qkv];
+        if let Some(o) = &self.out_proj {
+            let w_o = o.weight_t.tensor()?.t()?; // (out, h*vhd)
+            let out = w_o.dim(0)?;
+            weights.push(w_o.flatten_all()?);
+            biases.push(match &o.bias {
+                Some(b) => b.clone(),
+                None => Tensor::zeros(out, dtype, &dev)?,
+            });
+        }
+        Ok((Tensor::cat(&weights, 0)?, Tensor::cat(&biases, 0)?))
     }
 
     /// `(W_q^T, b_q, W_kv^T, b_kv)` for cross-attention (weights as `(in, out)`).

@@ -16,7 +16,7 @@ use rayon::prelude::*;
 
 use super::matrix::{matmul, MatMut, MatRef, Threads};
 use super::problem::{Operand, Problem};
-use super::scratch::{split, with_scratch};
+use super::scratch::{split, with_scratch, TrainingBuffer};
 use super::simd;
 use crate::error::{Error, Result};
 
@@ -54,7 +54,7 @@ pub(crate) fn attention_backward(
     p: &Problem<'_>,
     o: Operand<'_>,
     d_o: Operand<'_>,
-) -> Result<(Vec<f32>, Vec<f32>, Vec<f32>)> {
+) -> Result<(TrainingBuffer, TrainingBuffer, TrainingBuffer)> {
     backward_with(p, o, d_o, TILES, rayon::current_num_threads())
 }
 
@@ -65,14 +65,20 @@ fn backward_with(
     d_o: Operand<'_>,
     tiles: Tiles,
     threads: usize,
-) -> Result<(Vec<f32>, Vec<f32>, Vec<f32>)> {
+) -> Result<(TrainingBuffer, TrainingBuffer, TrainingBuffer)> {
     p.validate()?;
     if tiles.q == 0 || tiles.k == 0 {
         return Err(Error::Kernel(format!("backward tiles of {tiles:?}")));
     }
-    let mut grad_q = vec![0f32; p.batch * p.heads * p.seq_q * p.dk];
-    let mut grad_k = vec![0f32; p.batch * p.kv_heads * p.seq_k * p.dk];
-    let mut grad_v = vec![0f32; p.batch * p.kv_heads * p.seq_k * p.dv];
+    // Buffers kept from earlier steps (fresh memory pages in at a cost), zeroed.
+    let zeroed = |n| {
+        let mut b = TrainingBuffer::new(n);
+        b.fill(0.0);
+        b
+    };
+    let mut grad_q = zeroed(p.batch * p.heads * p.seq_q * p.dk);
+    let mut grad_k = zeroed(p.batch * p.kv_heads * p.seq_k * p.dk);
+    let mut grad_v = zeroed(p.batch * p.kv_heads * p.seq_k * p.dv);
     if p.batch * p.heads * p.seq_q == 0 || p.seq_k == 0 {
         // No query, or no key for any query: every gradient is 0.
         return Ok((grad_q, grad_k, grad_v));

@@ -33,6 +33,7 @@ pub(crate) mod sdpa;
 pub(crate) mod self_attention;
 mod simd;
 mod tile_products;
+pub(crate) mod trainable_layer;
 mod transpose;
 
 pub use rows::WeightsBlock;

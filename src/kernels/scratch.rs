@@ -169,3 +169,58 @@ mod tests {
         }
     }
 }
+
+/// Buffers of the differentiable layer kept for later steps (see [`TrainingBuffer`]).
+static TRAINING: Mutex<Vec<Vec<f32>>> = Mutex::new(Vec::new());
+/// Most buffers kept for training steps: a layer saves its projection and context for the
+/// backward, which adds their two gradients.
+const TRAINING_BUFFERS: usize = 8;
+/// Most bytes of one kept training buffer.
+const TRAINING_BYTES: usize = 128 << 20;
+
+/// `n` floats (contents left over from an earlier use: write before reading) taken from the
+/// buffers earlier training steps gave back, and given back when dropped. A training step
+/// allocates the same few large buffers every time; fresh memory is paged in on first write,
+/// which on a small VM costs as much as the arithmetic at sentence scale.
+#[derive(Debug)]
+pub(crate) struct TrainingBuffer(Vec<f32>);
+
+impl TrainingBuffer {
+    pub fn new(n: usize) -> Self {
+        let kept = TRAINING
+            .lock()
+            .ok()
+            .and_then(|mut pool| take_kept(&mut pool, n));
+        let mut buf = kept.unwrap_or_default();
+        if buf.len() < n {
+            buf.resize(n, 0.0);
+        }
+        buf.truncate(n);
+        Self(buf)
+    }
+}
+
+impl Deref for TrainingBuffer {
+    type Target = [f32];
+    fn deref(&self) -> &[f32] {
+        &self.0
+    }
+}
+
+impl DerefMut for TrainingBuffer {
+    fn deref_mut(&mut self) -> &mut [f32] {
+        &mut self.0
+    }
+}
+
+impl Drop for TrainingBuffer {
+    fn drop(&mut self) {
+        let buf = std::mem::take(&mut self.0);
+        let bytes = buf.capacity() * std::mem::size_of::<f32>();
+        if let Ok(mut pool) = TRAINING.lock() {
+            if bytes > 0 && bytes <= TRAINING_BYTES && pool.len() < TRAINING_BUFFERS {
+                pool.push(buf);
+            }
+        }
+    }
+}

@@ -196,9 +196,9 @@ pub(crate) fn attention_backward(
     let (gq, gk, gv) =
         super::backward::attention_backward(&problem, os.operand()?, dos.operand()?)?;
     Ok((
-        Tensor::from_vec(gq, (b, h, sq, dk), &Device::Cpu)?, // (b, h, sq, dk)
-        Tensor::from_vec(gk, (b, kvh, sk, dk), &Device::Cpu)?, // (b, kvh, sk, dk)
-        Tensor::from_vec(gv, (b, kvh, sk, dv), &Device::Cpu)?, // (b, kvh, sk, dv)
+        Tensor::from_slice(&gq, (b, h, sq, dk), &Device::Cpu)?, // (b, h, sq, dk)
+        Tensor::from_slice(&gk, (b, kvh, sk, dk), &Device::Cpu)?, // (b, kvh, sk, dk)
+        Tensor::from_slice(&gv, (b, kvh, sk, dv), &Device::Cpu)?, // (b, kvh, sk, dv)
     ))
 }
 
@@ -269,20 +269,39 @@ pub(crate) fn packed_attention(
     mask: Option<&AttentionMask>,
     scale: f64,
 ) -> Result<Vec<f32>> {
+    let (q, v) = (qkv.0, qkv.2);
+    let mut ctx = vec![0f32; batch * q.seq * q.heads * v.width];
+    packed_attention_into(batch, qkv, mask, scale, &mut ctx)?;
+    Ok(ctx)
+}
+
+/// [`packed_attention`] into `ctx`, `(batch * seq_q, heads * d_v)` (overwritten).
+pub(crate) fn packed_attention_into(
+    batch: usize,
+    qkv: (PackedHeads<'_>, PackedHeads<'_>, PackedHeads<'_>),
+    mask: Option<&AttentionMask>,
+    scale: f64,
+    ctx: &mut [f32],
+) -> Result<()> {
     with_packed_problem(batch, qkv, mask, scale, |p| {
         let (h, sq, dv) = (p.heads, p.seq_q, p.dv);
-        let mut ctx = vec![0f32; batch * sq * h * dv];
-        {
-            let out = OutOperand {
-                buf: SharedOut::new(&mut ctx),
-                offset: 0,
-                sb: sq * h * dv,
-                sh: dv,
-                sr: h * dv,
-            };
-            run(p, &out, WeightsMode::Skip)?;
+        if ctx.len() != batch * sq * h * dv {
+            return Err(Error::Kernel(format!(
+                "context buffer of {} for ({batch} x {sq}, {h} x {dv})",
+                ctx.len()
+            )));
         }
-        Ok(ctx)
+        // Rows that see no key are left alone by the kernels: they must read as zeros.
+        ctx.fill(0.0);
+        let out = OutOperand {
+            buf: SharedOut::new(ctx),
+            offset: 0,
+            sb: sq * h * dv,
+            sh: dv,
+            sr: h * dv,
+        };
+        run(p, &out, WeightsMode::Skip)?;
+        Ok(())
     })
 }
 
