@@ -8,8 +8,9 @@
 //!   [--impl ours|naive|candle-flash|candle-matmul] [--pool caller|detached] [--train] [--json]
 //! ```
 //!
-//! `--train` times one training step instead of a forward: the forward on variables (the
-//! layer's weights and `x`, or Q, K and V with `--core`), then the backward of
+//! `--train` times one training step instead of a forward: the forward on variables (a fresh
+//! layer on a `VarMap` in PyTorch's `nn.MultiheadAttention` layout, LLaMA's with `--kv-heads`,
+//! and `x`; or Q, K and V with `--core`), then the backward of
 //! `sum(context * g)` to every one of them (no optimizer update); ours only. Its `gflops`
 //! count a step as 3 forwards (the backward's products are twice the forward's).
 //!
@@ -351,25 +352,25 @@ fn setup(args: &Args, dtype: DType, kvh: usize, imp: Impl) -> anyhow::Result<Set
     let cfg = AttentionConfig::new(WeightLayout::TorchMha, h)
         .with_kv_heads(kvh)
         .with_causal(args.causal);
-    // For a training step the weights are variables, as an optimizer holds them.
-    let p = if args.train {
-        let var = |l: LinearWeights| -> anyhow::Result<LinearWeights> {
-            let v = |t: &Tensor| -> anyhow::Result<Tensor> {
-                Ok(Var::from_tensor(t)?.as_tensor().clone())
-            };
-            let bias = l.bias.as_ref().map(v).transpose()?;
-            Ok(LinearWeights::new(v(&l.weight)?, bias, l.name))
+    let layer = if args.train {
+        // A fresh layer on a VarMap, as a user training one has it (PyTorch's layout, or
+        // LLaMA's for grouped K/V heads).
+        let layout = if kvh == h {
+            WeightLayout::TorchMha
+        } else {
+            WeightLayout::Llama
         };
-        Projections {
-            q: var(p.q)?,
-            k: var(p.k)?,
-            v: var(p.v)?,
-            o: p.o.map(var).transpose()?,
-        }
+        let vm = candle_nn::VarMap::new();
+        let vb = candle_nn::VarBuilder::from_varmap(&vm, dtype, &dev());
+        let cfg = AttentionConfig::new(layout, h)
+            .with_kv_heads(kvh)
+            .with_causal(args.causal)
+            .with_hidden_size(d)
+            .with_bias(true);
+        MultiHeadSelfAttention::load(vb.pp("attn"), &cfg)?
     } else {
-        p
+        MultiHeadSelfAttention::new(p, &cfg)?
     };
-    let layer = MultiHeadSelfAttention::new(p, &cfg)?;
     let core = if args.core && imp != Impl::CandleMatmul {
         let q = randn(&[b, h, t, hd], 1.0, dtype)?; // (b, h, t, hd)
         let k = randn(&[b, kvh, t, hd], 1.0, dtype)?; // (b, kvh, t, hd)

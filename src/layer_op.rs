@@ -21,15 +21,16 @@ struct LayerOp {
 }
 
 /// The layer's output `(batch, seq, out)` of `x` `(batch, seq, hidden)`, with gradients to
-/// `x`, `weights` and `biases`.
+/// `x`, `w_qkv` and `rest`.
 ///
 /// # Shapes
-/// - `weights`: `(weight_len,)`: `W_qkv` `(q + k + v, hidden)` then `W_O` `(out, heads *
-///   v_head_dim)`, row-major; `biases`: `(bias_len,)` (see [`LayerShape`])
+/// - `w_qkv`: `(q + k + v, hidden)`, or `(hidden, q + k + v)` with `shape.qkv_t`
+/// - `rest`: `(q + k + v + out * heads * v_head_dim + out,)`: the Q/K/V biases, `W_O`, the
+///   output biases (see [`LayerShape`])
 pub(crate) fn self_attention(
     x: &Tensor,
-    weights: &Tensor,
-    biases: &Tensor,
+    w_qkv: &Tensor,
+    rest: &Tensor,
     shape: LayerShape,
     mask: Option<&AttentionMask>,
 ) -> Result<Tensor> {
@@ -39,7 +40,7 @@ pub(crate) fn self_attention(
         saved: Mutex::new(None),
     };
     Ok(x.contiguous()?
-        .apply_op3(&weights.contiguous()?, &biases.contiguous()?, op)?)
+        .apply_op3(&w_qkv.contiguous()?, &rest.contiguous()?, op)?)
 }
 
 /// The values of a contiguous f32 storage view.
@@ -78,8 +79,8 @@ impl CustomOp3 for LayerOp {
             let s = &self.shape;
             let (x, w, b) = (
                 values(s1, l1, "x")?,
-                values(s2, l2, "weights")?,
-                values(s3, l3, "biases")?,
+                values(s2, l2, "W_qkv")?,
+                values(s3, l3, "biases and W_O")?,
             );
             let (y, saved) = trainable_layer::forward(s, x, w, b, self.mask.as_ref())?;
             if let Ok(mut slot) = self.saved.lock() {
@@ -108,8 +109,8 @@ impl CustomOp3 for LayerOp {
             let (xt, wt, bt, gt) = (dense(x)?, dense(w)?, dense(b)?, dense(grad_res)?);
             let (xc, wc, bc, gc) = (
                 CpuF32::new(&xt, "x")?,
-                CpuF32::new(&wt, "weights")?,
-                CpuF32::new(&bt, "biases")?,
+                CpuF32::new(&wt, "W_qkv")?,
+                CpuF32::new(&bt, "biases and W_O")?,
                 CpuF32::new(&gt, "output gradient")?,
             );
             let (xs, ws, bs, gs) = (

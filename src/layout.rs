@@ -73,6 +73,28 @@ impl WeightLayout {
         vb: &VarBuilder,
         sizes: Option<&LayerSizes>,
     ) -> Result<Projections> {
+        Ok(self.load_with_packed(vb, sizes)?.0)
+    }
+
+    /// [`WeightLayout::load_sized`], and for the layouts that store Q, K and V as one tensor
+    /// (`in_proj_weight`, GPT-2's `c_attn`) that tensor as it is stored, so that a trainable
+    /// layer multiplies by it without a copy.
+    pub(crate) fn load_with_packed(
+        &self,
+        vb: &VarBuilder,
+        sizes: Option<&LayerSizes>,
+    ) -> Result<(Projections, Option<PackedQkv>)> {
+        let mut packed = None;
+        let p = self.load_projections(vb, sizes, &mut packed)?;
+        Ok((p, packed))
+    }
+
+    fn load_projections(
+        &self,
+        vb: &VarBuilder,
+        sizes: Option<&LayerSizes>,
+        packed: &mut Option<PackedQkv>,
+    ) -> Result<Projections> {
         let s = sizes.copied();
         // (out, in) of each projection when the sizes are stated.
         let (q_out, k_out, v_out) = match s {
@@ -153,6 +175,11 @@ impl WeightLayout {
                         rows,
                         (fresh && bias).then_some(rows / 3),
                     )?;
+                    *packed = Some(PackedQkv {
+                        weight: w.clone(),
+                        transposed: false,
+                        bias: bias.clone(),
+                    });
                     let [wq, wk, wv] = split_rows(&w, [d, d, d])?;
                     let [bq, bk, bv] = split_bias(bias, [d, d, d])?;
                     let name = full_name(vb, "in_proj_weight");
@@ -198,10 +225,15 @@ impl WeightLayout {
                     ));
                 }
                 let d = cols / 3;
+                let bias_c = opt_bias(&c_attn, "bias", 3 * d, (fresh && bias).then_some(d))?;
+                *packed = Some(PackedQkv {
+                    weight: w.clone(),
+                    transposed: true,
+                    bias: bias_c.clone(),
+                });
                 // A view (no copy): the projections stay tied to the stored tensor, which
                 // an optimizer may update in place.
                 let w = w.t()?; // (3d, d)
-                let bias_c = opt_bias(&c_attn, "bias", 3 * d, (fresh && bias).then_some(d))?;
                 let [wq, wk, wv] = split_rows(&w, [d, d, d])?;
                 let [bq, bk, bv] = split_bias(bias_c, [d, d, d])?;
                 let c_proj = vb.pp("c_proj");
@@ -303,6 +335,16 @@ pub struct Projections {
     pub v: LinearWeights,
     /// Output projection W_O, absent for single-head attention.
     pub o: Option<LinearWeights>,
+}
+
+/// Q, K and V stored as one tensor in the checkpoint, as it is stored.
+#[derive(Debug, Clone)]
+pub(crate) struct PackedQkv {
+    /// `(q + k + v, hidden)`, or `(hidden, q + k + v)` when `transposed` (GPT-2 `Conv1D`).
+    pub weight: Tensor,
+    pub transposed: bool,
+    /// `(q + k + v,)`
+    pub bias: Option<Tensor>,
 }
 
 impl Projections {

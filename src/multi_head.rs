@@ -10,7 +10,7 @@ use crate::error::{Error, Result};
 use crate::kernels::trainable_layer::LayerShape;
 use crate::kernels::{self_attention, WeightsBlock, WeightsMode};
 use crate::layer_op;
-use crate::layout::{LinearWeights, Projections};
+use crate::layout::{LinearWeights, PackedQkv, Projections};
 use crate::mask::AttentionMask;
 use crate::output::AttentionOutput;
 use crate::sdpa::{self, scaled_dot_product_attention_streamed, AttentionPath};
@@ -78,6 +78,9 @@ pub struct MultiHeadSelfAttention {
     causal: bool,
     scale: Option<f64>,
     path: AttentionPath,
+    /// For a trainable layer whose checkpoint stores Q, K and V as one tensor: that tensor,
+    /// which the differentiable CPU layer multiplies by as it is.
+    packed_qkv: Option<PackedQkv>,
 }
 
 impl MultiHeadSelfAttention {
@@ -90,12 +93,16 @@ impl MultiHeadSelfAttention {
     /// initialisation: a fresh, trainable layer that `VarMap::save` writes as a checkpoint.
     pub fn load(vb: VarBuilder, cfg: &AttentionConfig) -> Result<Self> {
         let sizes = cfg.sizes()?;
-        let projections = cfg.layout.load_sized(&vb, sizes.as_ref())?;
+        let (projections, packed) = cfg.layout.load_with_packed(&vb, sizes.as_ref())?;
         let cfg = match sizes {
             Some(z) => cfg.clone().with_kv_heads(z.kv_heads),
             None => cfg.clone(),
         };
-        Self::new(projections, &cfg)
+        let mut layer = Self::new(projections, &cfg)?;
+        if layer.is_trainable() && !layer.is_fused() {
+            layer.packed_qkv = packed;
+        }
+        Ok(layer)
     }
 
     /// Builds the layer from projection tensors, checking every size.
@@ -242,6 +249,7 @@ impl MultiHeadSelfAttention {
             causal: cfg.causal,
             scale: cfg.scale,
             path: AttentionPath::Auto,
+            packed_qkv: None,
         })
     }
 
@@ -536,7 +544,7 @@ impl MultiHeadSelfAttention {
         let scale = self.scale.unwrap_or(1.0 / (hd as f64).sqrt());
         if route == Route::CpuKernelsTrainable && kv.is_none() {
             // The whole layer as one differentiable op on the CPU kernels.
-            let (w, bias) = self.flat_parameters()?;
+            let (w_qkv, qkv_t, rest, o_t) = self.layer_parameters()?;
             let shape = LayerShape {
                 batch: b,
                 seq: t,
@@ -550,8 +558,10 @@ impl MultiHeadSelfAttention {
                     None => None,
                 },
                 scale,
+                qkv_t,
+                o_t,
             };
-            let context = layer_op::self_attention(x, &w, &bias, shape, mask)?;
+            let context = layer_op::self_attention(x, &w_qkv, &rest, shape, mask)?;
             return Ok(AttentionOutput {
                 context,
                 weights: None,
@@ -683,37 +693,45 @@ impl MultiHeadSelfAttention {
         Ok((b, t, d))
     }
 
-    /// Every weight and bias as the layer op takes them (see
-    /// `kernels::trainable_layer::LayerShape`): `W_qkv` `(q + k + v, hidden)` then `W_O`
-    /// flattened, and the biases (zeros where there are none), read from the current
-    /// tensors so that gradients flow back to them.
-    fn flat_parameters(&self) -> Result<(Tensor, Tensor)> {
-        let (w_qkv, b_qkv) = match &self.qkv {
-            QkvProjection::Fused { weight_t, bias } => (weight_t.tensor()?.t()?, bias.clone()),
-            QkvProjection::Separate { q, k, v } => (
-                Tensor::cat(&[&q.weight, &k.weight, &v.weight], 0)?,
+    /// The parameters as the differentiable CPU layer takes them (see
+    /// `kernels::trainable_layer::LayerShape`): `W_qkv` as stored where it can be (and
+    /// whether that is `(hidden, q + k + v)`), then the Q/K/V biases, `W_O` (and whether it
+    /// is stored `(in, out)`) and the output biases in one vector, zeros for missing biases.
+    /// Read from the current tensors, so that gradients flow back to them.
+    fn layer_parameters(&self) -> Result<(Tensor, bool, Tensor, bool)> {
+        let (w_qkv, qkv_t, b_qkv) = match (&self.qkv, &self.packed_qkv) {
+            (_, Some(p)) => (p.weight.clone(), p.transposed, p.bias.clone()),
+            (QkvProjection::Fused { weight_t, bias }, None) => {
+                (weight_t.tensor()?, true, bias.clone()) // (hidden, q+k+v)
+            }
+            (QkvProjection::Separate { q, k, v }, None) => (
+                Tensor::cat(&[&q.weight, &k.weight, &v.weight], 0)?, // (q+k+v, hidden)
+                false,
                 fused_bias(q, k, v)?,
             ),
-        }; // (q+k+v, hidden)
-        let (c, _) = w_qkv.dims2()?;
+        };
+        let c = if qkv_t { w_qkv.dim(1)? } else { w_qkv.dim(0)? };
         let dev = w_qkv.device().clone();
         let dtype = w_qkv.dtype();
         let b_qkv = match b_qkv {
             Some(b) => b,
             None => Tensor::zeros(c, dtype, &dev)?,
         };
-        let mut weights = vec![w_qkv.flatten_all()?];
-        let mut biases = vec![b_qkv];
+        let mut rest = vec![b_qkv];
+        let mut o_t = false;
         if let Some(o) = &self.out_proj {
-            let w_o = o.weight_t.tensor()?.t()?; // (out, h*vhd)
-            let out = w_o.dim(0)?;
-            weights.push(w_o.flatten_all()?);
-            biases.push(match &o.bias {
+            let w_t = o.weight_t.tensor()?; // (h*vhd, out)
+            let out = w_t.dim(1)?;
+            // As stored: (in, out) when that is the contiguous side (GPT-2, a frozen layer).
+            o_t = w_t.is_contiguous();
+            let w_o = if o_t { w_t } else { w_t.t()? }; // (h*vhd, out) or (out, h*vhd)
+            rest.push(w_o.flatten_all()?);
+            rest.push(match &o.bias {
                 Some(b) => b.clone(),
                 None => Tensor::zeros(out, dtype, &dev)?,
             });
         }
-        Ok((Tensor::cat(&weights, 0)?, Tensor::cat(&biases, 0)?))
+        Ok((w_qkv.contiguous()?, qkv_t, Tensor::cat(&rest, 0)?, o_t))
     }
 
     /// `(W_q^T, b_q, W_kv^T, b_kv)` for cross-attention (weights as `(in, out)`).

@@ -3,6 +3,8 @@
 //! candle's autograd sees the attention while it runs at kernel speed and in memory linear
 //! in the sequence (see [`crate::dispatch`] for when it runs).
 
+use std::sync::Mutex;
+
 use candle_core::backend::BackendStorage;
 use candle_core::{CpuStorage, CustomOp3, Layout, Shape, Tensor};
 
@@ -16,6 +18,8 @@ use crate::mask::AttentionMask;
 struct SdpaOp {
     mask: Option<AttentionMask>,
     scale: f64,
+    /// The forward's log-sum-exp per query row, for the backward.
+    lse: Mutex<Option<Vec<f32>>>,
 }
 
 /// The context `(batch, heads, seq_q, d_v)` f32 of `q`, `k`, `v` (f32 on the CPU), with a
@@ -34,6 +38,7 @@ pub(crate) fn attention(
     let op = SdpaOp {
         mask: mask.filter(|m| !m.is_empty()).cloned(),
         scale,
+        lse: Mutex::new(None),
     };
     // The kernels read rows with a contiguous last dimension.
     let rows = |t: &Tensor| -> Result<Tensor> {
@@ -82,13 +87,18 @@ impl CustomOp3 for SdpaOp {
             };
             let (b, h, sq, _) = dims4(l1)?;
             let (_, _, _, dv) = dims4(l3)?;
+            let mut lse = vec![0f32; b * h * sq];
             let ctx = kernels::sdpa::attention_on_slices(
                 (q, l1),
                 (k, l2),
                 (v, l3),
                 self.mask.as_ref(),
                 self.scale,
+                Some(&mut lse),
             )?;
+            if let Ok(mut slot) = self.lse.lock() {
+                *slot = Some(lse);
+            }
             Ok((CpuStorage::F32(ctx), Shape::from((b, h, sq, dv))))
         };
         run().map_err(Error::into_candle)
@@ -104,12 +114,13 @@ impl CustomOp3 for SdpaOp {
     ) -> candle_core::Result<(Option<Tensor>, Option<Tensor>, Option<Tensor>)> {
         let run = || -> Result<(Option<Tensor>, Option<Tensor>, Option<Tensor>)> {
             let grad = grad_res.to_dtype(candle_core::DType::F32)?.contiguous()?;
+            let saved = self.lse.lock().ok();
+            let lse = saved.as_ref().and_then(|s| s.as_deref());
             let (dq, dk, dv) = kernels::sdpa::attention_backward(
                 q,
                 k,
                 v,
-                res,
-                &grad,
+                (res, &grad, lse),
                 self.mask.as_ref(),
                 self.scale,
             )?;
@@ -316,8 +327,7 @@ impl candle_core::CustomOp1 for PackedSelfOp {
                 z.self_heads(data),
                 o,
                 d_o,
-                self.mask.as_ref(),
-                self.scale,
+                (self.mask.as_ref(), self.scale, None),
                 (&mut grad, at(0)),
                 None,
                 (at(z.q_cols()), at(z.q_cols() + z.kv_heads * z.head_dim)),
@@ -384,8 +394,7 @@ impl candle_core::CustomOp2 for PackedCrossOp {
                 z.cross_heads(qd, kvd),
                 o,
                 d_o,
-                self.mask.as_ref(),
-                self.scale,
+                (self.mask.as_ref(), self.scale, None),
                 (
                     &mut gq,
                     PackedGrad {

@@ -50,12 +50,16 @@ const REDUCE_PIECE: usize = 1 << 14;
 ///   `p.v`: `(batch, kv_heads, seq_k, d_v)` (strided views)
 /// - `o`, `d_o`: `(batch, heads, seq_q, d_v)` (strided views, the forward's context and its
 ///   gradient)
+///
+/// `lse`, when given, is each query row's log-sum-exp as the forward's tiled kernel wrote it
+/// (`(batch, heads, seq_q)`, base-2 units); otherwise a first pass over the keys computes it.
 pub(crate) fn attention_backward(
     p: &Problem<'_>,
     o: Operand<'_>,
     d_o: Operand<'_>,
+    lse: Option<&[f32]>,
 ) -> Result<(TrainingBuffer, TrainingBuffer, TrainingBuffer)> {
-    backward_with(p, o, d_o, TILES, rayon::current_num_threads())
+    backward_with(p, o, d_o, lse, TILES, rayon::current_num_threads())
 }
 
 /// [`attention_backward`] with the given tiles, cutting keys for `threads` threads.
@@ -63,6 +67,7 @@ fn backward_with(
     p: &Problem<'_>,
     o: Operand<'_>,
     d_o: Operand<'_>,
+    given_lse: Option<&[f32]>,
     tiles: Tiles,
     threads: usize,
 ) -> Result<(TrainingBuffer, TrainingBuffer, TrainingBuffer)> {
@@ -83,7 +88,7 @@ fn backward_with(
         // No query, or no key for any query: every gradient is 0.
         return Ok((grad_q, grad_k, grad_v));
     }
-    let (lse, dsum) = row_statistics(p, o, d_o, tiles, threads)?;
+    let (lse, dsum) = row_statistics(p, o, d_o, given_lse, tiles, threads)?;
     let stats = RowStats {
         lse: &lse,
         dsum: &dsum,
@@ -115,11 +120,22 @@ fn row_statistics(
     p: &Problem<'_>,
     o: Operand<'_>,
     d_o: Operand<'_>,
+    given_lse: Option<&[f32]>,
     tiles: Tiles,
     threads: usize,
 ) -> Result<(Vec<f32>, Vec<f32>)> {
     let rows = p.batch * p.heads * p.seq_q;
-    let mut lse = vec![0f32; rows];
+    let mut lse = match given_lse {
+        Some(l) if l.len() == rows => l.to_vec(),
+        Some(l) => {
+            return Err(Error::Kernel(format!(
+                "{} log-sum-exps for {rows} query rows",
+                l.len()
+            )))
+        }
+        None => vec![0f32; rows],
+    };
+    let known = given_lse.is_some();
     let mut dsum = vec![0f32; rows];
     // Smaller query blocks when there are too few to go round.
     let mut bq = tiles.q;
@@ -137,7 +153,7 @@ fn row_statistics(
         .into_par_iter()
         .with_max_len(1)
         .try_for_each(|(b, h, i0, l, d)| {
-            row_block_statistics(p, o, d_o, tiles.k, b, h, i0, l, d)
+            row_block_statistics(p, o, d_o, tiles.k, b, h, i0, l, d, known)
         })?;
     Ok((lse, dsum))
 }
@@ -155,6 +171,7 @@ fn row_block_statistics(
     i0: usize,
     lse: &mut [f32],
     dsum: &mut [f32],
+    lse_known: bool,
 ) -> Result<()> {
     let n = lse.len();
     let om = o.mat(b, h, i0, n, p.dv)?;
@@ -164,6 +181,9 @@ fn row_block_statistics(
             return Err(Error::Kernel(format!("row {r} of O or dO")));
         };
         *d = orow.iter().zip(grow).map(|(a, g)| a * g).sum();
+    }
+    if lse_known {
+        return Ok(());
     }
     let (first, end) = p.key_range(b, i0, n);
     with_scratch(n * bk + n, |buf| {
@@ -435,7 +455,8 @@ fn key_task(
 mod tests {
     //! The backward (default tiles, small tiles, keys cut into chunks) against gradients
     //! computed in f64 from the definition.
-    use super::super::problem::{DenseBias, KernelMask};
+    use super::super::matrix::SharedOut;
+    use super::super::problem::{DenseBias, KernelMask, OutOperand};
     use super::*;
 
     fn values(n: usize, seed: u64) -> Vec<f32> {
@@ -717,15 +738,34 @@ mod tests {
                 }),
             },
         };
+        // The log-sum-exps the forward's tiled kernel writes.
+        let mut lse = vec![f32::NAN; c.b * c.h * c.sq];
+        let mut ctx = vec![0f32; c.b * c.h * c.sq * c.dv];
+        super::super::run(
+            &p,
+            &OutOperand {
+                buf: SharedOut::new(&mut ctx),
+                offset: 0,
+                sb: c.h * c.sq * c.dv,
+                sh: c.sq * c.dv,
+                sr: c.dv,
+                lse: Some(SharedOut::new(&mut lse)),
+            },
+            super::super::WeightsMode::Skip,
+        )?;
         let runs = [
-            ("default", attention_backward(&p, o_op, do_op)?),
+            ("default", attention_backward(&p, o_op, do_op, None)?),
             (
                 "small tiles",
-                backward_with(&p, o_op, do_op, Tiles { q: 16, k: 32 }, 1)?,
+                backward_with(&p, o_op, do_op, None, Tiles { q: 16, k: 32 }, 1)?,
             ),
             (
                 "keys in chunks",
-                backward_with(&p, o_op, do_op, Tiles { q: 24, k: 40 }, 7)?,
+                backward_with(&p, o_op, do_op, None, Tiles { q: 24, k: 40 }, 7)?,
+            ),
+            (
+                "the forward's log-sum-exp",
+                attention_backward(&p, o_op, do_op, Some(&lse))?,
             ),
         ];
         for (how, (dq, dk, dv)) in &runs {

@@ -166,7 +166,10 @@ fn task(
             // One tile: softmax of the whole rows, as the weights kernel does.
             // SAFETY: this task is the only one that handles rows i0..i0+n of head h in b.
             let mut o = unsafe { out.mat_mut(b, h, i0, n, dv)? };
-            return softmax_block(p, prods, &mut o, s, ld, 0, b, h, i0, n, (first, end));
+            // SAFETY: as above, these rows' log-sum-exp slots are this task's alone.
+            let mut lse = unsafe { out.lse_rows(p, b, h, i0, n)? };
+            let range = (first, end);
+            return softmax_block(p, prods, &mut o, s, ld, 0, b, h, i0, n, range, lse.as_mut());
         }
         m.fill(f32::NEG_INFINITY);
         l.fill(0.0);
@@ -260,6 +263,19 @@ fn task(
         }
         // SAFETY: this task is the only one that handles rows i0..i0+n of head h in b.
         let mut o = unsafe { out.mat_mut(b, h, i0, n, dv)? };
+        // SAFETY: as above, these rows' log-sum-exp slots are this task's alone.
+        if let Some(mut lse) = unsafe { out.lse_rows(p, b, h, i0, n)? } {
+            if let Some(row) = lse.row_mut(0) {
+                for (r, v) in row.iter_mut().enumerate() {
+                    // The sum holds the reference's own term wherever a key was seen.
+                    *v = if l[r] > 0.0 {
+                        m[r] + l[r].log2()
+                    } else {
+                        f32::NEG_INFINITY
+                    };
+                }
+            }
+        }
         for r in 0..n {
             let inv = if l[r] > 0.0 { 1.0 / l[r] } else { 0.0 };
             let src = &acc[r * dv..(r + 1) * dv];

@@ -251,6 +251,7 @@ mod tests {
                     sb: c.h * c.sq * c.dv,
                     sh: c.sq * c.dv,
                     sr: c.dv,
+                    lse: None,
                 }
             }
             flash::attention_tiled(&p, &out_of(&mut ctx, c), packed)?;

@@ -49,9 +49,36 @@ pub(crate) struct OutOperand<'a> {
     pub sb: usize,
     pub sh: usize,
     pub sr: usize,
+    /// Where the tiled kernel writes each query row's log-sum-exp of its scores (base-2
+    /// units, `-inf` for a row that sees no key), `(batch, heads, seq_q)` contiguous: what
+    /// the backward recomputes the probabilities from.
+    pub lse: Option<SharedOut<'a>>,
 }
 
 impl<'a> OutOperand<'a> {
+    /// The log-sum-exp slots of rows `i0..i0 + n` of head `h` in batch `b`, when asked for.
+    ///
+    /// # Safety
+    /// No other live view may address these elements (one task per query block).
+    pub unsafe fn lse_rows(
+        &self,
+        p: &Problem<'_>,
+        b: usize,
+        h: usize,
+        i0: usize,
+        n: usize,
+    ) -> Result<Option<MatMut<'a>>> {
+        match &self.lse {
+            Some(buf) => Ok(Some(buf.mat_mut(
+                (b * p.heads + h) * p.seq_q + i0,
+                1,
+                n,
+                n,
+            )?)),
+            None => Ok(None),
+        }
+    }
+
     /// Rows `row0..row0 + n` of head `h` in batch `b`.
     ///
     /// # Safety

@@ -48,13 +48,20 @@ pub(crate) fn softmax_block(
     i0: usize,
     n: usize,
     (first, end): (usize, usize),
+    mut lse: Option<&mut MatMut<'_>>,
 ) -> Result<()> {
     let cols = end - first;
+    let mut put_lse = |r: usize, v: f32| {
+        if let Some(row) = lse.as_mut().and_then(|l| l.row_mut(0)) {
+            row[r] = v;
+        }
+    };
     if cols == 0 {
         for r in 0..n {
             if let Some(row) = o.row_mut(r) {
                 row.fill(0.0);
             }
+            put_lse(r, f32::NEG_INFINITY);
         }
         return Ok(());
     }
@@ -79,6 +86,7 @@ pub(crate) fn softmax_block(
         if m == f32::NEG_INFINITY {
             // A query whose keys are all hidden: zero weights, zero context.
             row.fill(0.0);
+            put_lse(r, f32::NEG_INFINITY);
             continue;
         }
         // One pass (powers, sum and bounds) where no mask put -inf in the row.
@@ -103,6 +111,7 @@ pub(crate) fn softmax_block(
         };
         let row = &mut s[r * ld + off..r * ld + off + cols];
         simd::scale(row, 1.0 / sum);
+        put_lse(r, m + sum.log2());
     }
     // context = P V, (n, dv)
     prods.weighted_values(p, b, h, &s[off..], ld, n, (first, cols), o, false)
@@ -132,7 +141,7 @@ fn block(
     let j0 = first / prods.key_align() * prods.key_align();
     // SAFETY: this block is the only one that handles rows i0..i0+n of head h in batch b.
     let mut o = unsafe { out.mat_mut(b, h, i0, n, p.dv)? };
-    softmax_block(p, prods, &mut o, w, sk, j0, b, h, i0, n, (first, end))?;
+    softmax_block(p, prods, &mut o, w, sk, j0, b, h, i0, n, (first, end), None)?;
     // Keys outside [first, end) are hidden from every query of the block.
     for r in 0..n {
         w[r * sk..r * sk + first].fill(0.0);

@@ -68,6 +68,7 @@ pub(crate) fn attention(
             sb: h * sq * dv,
             sh: sq * dv,
             sr: dv,
+            lse: None,
         };
         run(&problem, &out, mode)?
     };
@@ -103,6 +104,7 @@ pub(crate) fn attention_on_slices(
     v: (&[f32], &Layout),
     mask: Option<&AttentionMask>,
     scale: f64,
+    lse: Option<&mut [f32]>,
 ) -> Result<Vec<f32>> {
     let (qo, ko, vo) = (
         operand(q.0, q.1, "q")?,
@@ -135,6 +137,20 @@ pub(crate) fn attention_on_slices(
     };
     problem.validate()?;
     let mut ctx = vec![0f32; b * h * sq * dv];
+    let lse = match lse {
+        Some(l) if l.len() == b * h * sq => {
+            // Rows the kernel leaves alone (no key seen) must read as -inf.
+            l.fill(f32::NEG_INFINITY);
+            Some(SharedOut::new(l))
+        }
+        Some(l) => {
+            return Err(Error::Kernel(format!(
+                "{} log-sum-exp slots for {b} x {h} x {sq} rows",
+                l.len()
+            )))
+        }
+        None => None,
+    };
     {
         let out = OutOperand {
             buf: SharedOut::new(&mut ctx),
@@ -142,6 +158,7 @@ pub(crate) fn attention_on_slices(
             sb: h * sq * dv,
             sh: sq * dv,
             sr: dv,
+            lse,
         };
         run(&problem, &out, WeightsMode::Skip)?;
     }
@@ -149,7 +166,7 @@ pub(crate) fn attention_on_slices(
 }
 
 /// Gradients `(dq, dk, dv)` of the attention of `q`, `k`, `v` (f32 on the CPU) whose output
-/// was `o`, given `d_o`.
+/// was `o`, given `d_o` and, when the forward kept them, the rows' log-sum-exps.
 ///
 /// # Shapes
 /// - `q`: `(batch, heads, seq_q, d_k)`, `k`: `(batch, kv_heads, seq_k, d_k)`,
@@ -159,8 +176,7 @@ pub(crate) fn attention_backward(
     q: &Tensor,
     k: &Tensor,
     v: &Tensor,
-    o: &Tensor,
-    d_o: &Tensor,
+    (o, d_o, lse): (&Tensor, &Tensor, Option<&[f32]>),
     mask: Option<&AttentionMask>,
     scale: f64,
 ) -> Result<(Tensor, Tensor, Tensor)> {
@@ -194,7 +210,7 @@ pub(crate) fn attention_backward(
     };
     problem.validate()?;
     let (gq, gk, gv) =
-        super::backward::attention_backward(&problem, os.operand()?, dos.operand()?)?;
+        super::backward::attention_backward(&problem, os.operand()?, dos.operand()?, lse)?;
     Ok((
         Tensor::from_slice(&gq, (b, h, sq, dk), &Device::Cpu)?, // (b, h, sq, dk)
         Tensor::from_slice(&gk, (b, kvh, sk, dk), &Device::Cpu)?, // (b, kvh, sk, dk)
@@ -271,17 +287,20 @@ pub(crate) fn packed_attention(
 ) -> Result<Vec<f32>> {
     let (q, v) = (qkv.0, qkv.2);
     let mut ctx = vec![0f32; batch * q.seq * q.heads * v.width];
-    packed_attention_into(batch, qkv, mask, scale, &mut ctx)?;
+    packed_attention_into(batch, qkv, mask, scale, &mut ctx, None)?;
     Ok(ctx)
 }
 
-/// [`packed_attention`] into `ctx`, `(batch * seq_q, heads * d_v)` (overwritten).
+/// [`packed_attention`] into `ctx`, `(batch * seq_q, heads * d_v)` (overwritten), and each
+/// query row's log-sum-exp into `lse`, `(batch, heads, seq_q)`, when given (for the
+/// backward).
 pub(crate) fn packed_attention_into(
     batch: usize,
     qkv: (PackedHeads<'_>, PackedHeads<'_>, PackedHeads<'_>),
     mask: Option<&AttentionMask>,
     scale: f64,
     ctx: &mut [f32],
+    lse: Option<&mut [f32]>,
 ) -> Result<()> {
     with_packed_problem(batch, qkv, mask, scale, |p| {
         let (h, sq, dv) = (p.heads, p.seq_q, p.dv);
@@ -293,12 +312,27 @@ pub(crate) fn packed_attention_into(
         }
         // Rows that see no key are left alone by the kernels: they must read as zeros.
         ctx.fill(0.0);
+        let lse = match lse {
+            Some(l) if l.len() == batch * h * sq => {
+                // Rows the kernel leaves alone (no key seen) must read as -inf.
+                l.fill(f32::NEG_INFINITY);
+                Some(SharedOut::new(l))
+            }
+            Some(l) => {
+                return Err(Error::Kernel(format!(
+                    "{} log-sum-exp slots for {batch} x {h} x {sq} rows",
+                    l.len()
+                )))
+            }
+            None => None,
+        };
         let out = OutOperand {
             buf: SharedOut::new(ctx),
             offset: 0,
             sb: sq * h * dv,
             sh: dv,
             sr: h * dv,
+            lse,
         };
         run(p, &out, WeightsMode::Skip)?;
         Ok(())
@@ -314,7 +348,8 @@ pub(crate) struct PackedGrad {
 }
 
 /// Gradients of [`packed_attention`] given the context `o` and its gradient `d_o` (both
-/// `(batch * seq_q, heads * d_v)` rows), written into `dst` buffers in the packed layout of
+/// `(batch * seq_q, heads * d_v)` rows) and, when the forward kept them, the rows'
+/// log-sum-exps, written into `dst` buffers in the packed layout of
 /// the inputs: `dst.0` receives dQ, `dst.1` dK and dV (the same buffer for self-attention,
 /// where `dq_at`, `dk_at` and `dv_at` pick the columns).
 #[allow(clippy::too_many_arguments)]
@@ -323,8 +358,7 @@ pub(crate) fn packed_attention_backward(
     qkv: (PackedHeads<'_>, PackedHeads<'_>, PackedHeads<'_>),
     o: &[f32],
     d_o: &[f32],
-    mask: Option<&AttentionMask>,
-    scale: f64,
+    (mask, scale, lse): (Option<&AttentionMask>, f64, Option<&[f32]>),
     (dq_buf, dq_at): (&mut [f32], PackedGrad),
     kv_dst: Option<&mut [f32]>,
     (dk_at, dv_at): (PackedGrad, PackedGrad),
@@ -340,7 +374,7 @@ pub(crate) fn packed_attention_backward(
             sh: dv,
             sr: h * dv,
         };
-        super::backward::attention_backward(p, ctx_rows(o), ctx_rows(d_o))
+        super::backward::attention_backward(p, ctx_rows(o), ctx_rows(d_o), lse)
     })?;
     scatter_heads(&gq, dq_buf, batch, sq, q.heads, q.width, dq_at)?;
     let kv_buf = match kv_dst {

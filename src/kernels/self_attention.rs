@@ -210,6 +210,7 @@ fn forward_steps(
             sb: t * cw,
             sh: vhd,
             sr: cw,
+            lse: None,
         };
         run(&problem, &out, mode)?
     };

@@ -12,9 +12,11 @@ use super::sdpa::{packed_attention_backward, packed_attention_into, PackedGrad, 
 use crate::error::{Error, Result};
 use crate::mask::AttentionMask;
 
-/// Sizes of the layer. Its weights arrive as one flat vector: `W_qkv` `(qkv_cols, hidden)`
-/// then `W_O` `(out, heads * v_head_dim)`, both row-major `(out, in)`; its biases as
-/// `qkv_cols` then `out` values (zeros where the checkpoint has none).
+/// Sizes of the layer. Its parameters arrive as two flat vectors: `W_qkv`, `(qkv_cols,
+/// hidden)` row-major (`(out, in)`) or, with `qkv_t`, `(hidden, qkv_cols)` (GPT-2's
+/// `Conv1D`); and the rest: the `qkv_cols` Q/K/V biases, `W_O` (`(out, heads * v_head_dim)`
+/// row-major, or its transpose with `o_t`) and the `out` output biases (zeros where the
+/// checkpoint has no bias).
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub(crate) struct LayerShape {
     pub batch: usize,
@@ -27,6 +29,10 @@ pub(crate) struct LayerShape {
     /// Output width of `W_O`; `None` without an output projection.
     pub out: Option<usize>,
     pub scale: f64,
+    /// `W_qkv` stored as `(hidden, qkv_cols)`.
+    pub qkv_t: bool,
+    /// `W_O` stored as `(heads * v_head_dim, out)`.
+    pub o_t: bool,
 }
 
 impl LayerShape {
@@ -42,13 +48,32 @@ impl LayerShape {
     pub fn out_cols(&self) -> usize {
         self.out.unwrap_or(self.ctx_cols())
     }
-    /// Elements of the flat weight vector.
-    pub fn weight_len(&self) -> usize {
-        self.qkv_cols() * self.hidden + self.out.map_or(0, |o| o * self.ctx_cols())
+    /// Elements of `W_qkv`.
+    pub fn qkv_weight_len(&self) -> usize {
+        self.qkv_cols() * self.hidden
     }
-    /// Elements of the flat bias vector.
-    pub fn bias_len(&self) -> usize {
-        self.qkv_cols() + self.out.unwrap_or(0)
+    /// Elements of the rest: Q/K/V biases, `W_O`, output biases.
+    pub fn rest_len(&self) -> usize {
+        self.qkv_cols() + self.out.map_or(0, |o| o * self.ctx_cols() + o)
+    }
+    /// `W_qkv` as a `(qkv_cols, hidden)` view.
+    fn w_qkv<'a>(&self, w: &'a [f32]) -> Result<MatRef<'a>> {
+        let (c, d) = (self.qkv_cols(), self.hidden);
+        Ok(if self.qkv_t {
+            MatRef::row_major(w, d, c)?.t()
+        } else {
+            MatRef::row_major(w, c, d)?
+        })
+    }
+    /// `W_O` as an `(out, heads * v_head_dim)` view of `rest`.
+    fn w_o<'a>(&self, rest: &'a [f32], out: usize) -> Result<MatRef<'a>> {
+        let (c, hv) = (self.qkv_cols(), self.ctx_cols());
+        let w = &rest[c..c + out * hv];
+        Ok(if self.o_t {
+            MatRef::row_major(w, hv, out)?.t()
+        } else {
+            MatRef::row_major(w, out, hv)?
+        })
     }
     fn rows(&self) -> usize {
         self.batch * self.seq
@@ -75,31 +100,33 @@ impl LayerShape {
             ),
         )
     }
-    fn check(&self, x: &[f32], w: &[f32], b: &[f32]) -> Result<()> {
+    fn check(&self, x: &[f32], w: &[f32], rest: &[f32]) -> Result<()> {
         if x.len() != self.rows() * self.hidden
-            || w.len() != self.weight_len()
-            || b.len() != self.bias_len()
+            || w.len() != self.qkv_weight_len()
+            || rest.len() != self.rest_len()
         {
             return Err(Error::Kernel(format!(
-                "layer of {self:?}: x {} (want {}), weights {} (want {}), biases {} (want {})",
+                "layer of {self:?}: x {} (want {}), W_qkv {} (want {}), rest {} (want {})",
                 x.len(),
                 self.rows() * self.hidden,
                 w.len(),
-                self.weight_len(),
-                b.len(),
-                self.bias_len()
+                self.qkv_weight_len(),
+                rest.len(),
+                self.rest_len()
             )));
         }
         Ok(())
     }
 }
 
-/// What the forward keeps for the backward: the projection rows `(batch * seq, q | k | v)`
-/// and the merged context `(batch * seq, heads * v_head_dim)`.
+/// What the forward keeps for the backward: the projection rows `(batch * seq, q | k | v)`,
+/// the merged context `(batch * seq, heads * v_head_dim)` and the attention's log-sum-exps.
 #[derive(Debug)]
 pub(crate) struct Saved {
     qkv: TrainingBuffer,
     ctx: TrainingBuffer,
+    /// Each query row's log-sum-exp, `(batch, heads, seq)`.
+    lse: TrainingBuffer,
 }
 
 fn threads() -> Threads {
@@ -112,42 +139,45 @@ pub(crate) fn forward(
     s: &LayerShape,
     x: &[f32],
     w: &[f32],
-    b: &[f32],
+    rest: &[f32],
     mask: Option<&AttentionMask>,
 ) -> Result<(Vec<f32>, Saved)> {
-    s.check(x, w, b)?;
+    s.check(x, w, rest)?;
     let (n, c) = (s.rows(), s.qkv_cols());
     let xm = MatRef::row_major(x, n, s.hidden)?;
-    let w_qkv = MatRef::row_major(&w[..c * s.hidden], c, s.hidden)?; // (q+k+v, hidden)
+    let w_qkv = s.w_qkv(w)?; // (q+k+v, hidden)
     let mut qkv = TrainingBuffer::new(n * c);
-    linear_into(&mut qkv, xm, w_qkv.t(), Some(&b[..c]))?; // (n, q+k+v)
+    linear_into(&mut qkv, xm, w_qkv.t(), Some(&rest[..c]))?; // (n, q+k+v)
     let mut ctx = TrainingBuffer::new(n * s.ctx_cols());
-    packed_attention_into(s.batch, s.heads_of(&qkv), mask, s.scale, &mut ctx)?; // (n, h*vhd)
+    let mut lse = TrainingBuffer::new(n * s.heads);
+    let heads = s.heads_of(&qkv);
+    packed_attention_into(s.batch, heads, mask, s.scale, &mut ctx, Some(&mut lse))?; // (n, h*vhd)
     let out = match s.out {
         Some(o) => {
-            let w_o = MatRef::row_major(&w[c * s.hidden..], o, s.ctx_cols())?; // (out, h*vhd)
+            let w_o = s.w_o(rest, o)?; // (out, h*vhd)
             let mut y = vec![0f32; n * o];
             let cm = MatRef::row_major(&ctx, n, s.ctx_cols())?;
-            linear_into(&mut y, cm, w_o.t(), Some(&b[c..]))?; // (n, out)
+            let b_o = &rest[c + o * s.ctx_cols()..];
+            linear_into(&mut y, cm, w_o.t(), Some(b_o))?; // (n, out)
             y
         }
         None => ctx.to_vec(),
     };
-    Ok((out, Saved { qkv, ctx }))
+    Ok((out, Saved { qkv, ctx, lse }))
 }
 
-/// Gradients `(dx, dw, db)` of the layer (flat, in the layouts of `x`, `w` and `b`) given
-/// the gradient `d_out` `(batch * seq, out)` of its output.
+/// Gradients `(dx, dw, d_rest)` of the layer (flat, in the layouts of `x`, `W_qkv` and the
+/// rest) given the gradient `d_out` `(batch * seq, out)` of its output.
 pub(crate) fn backward(
     s: &LayerShape,
     x: &[f32],
     w: &[f32],
-    b: &[f32],
+    rest: &[f32],
     saved: &Saved,
     d_out: &[f32],
     mask: Option<&AttentionMask>,
 ) -> Result<(Vec<f32>, Vec<f32>, Vec<f32>)> {
-    s.check(x, w, b)?;
+    s.check(x, w, rest)?;
     let (n, c, hv) = (s.rows(), s.qkv_cols(), s.ctx_cols());
     if d_out.len() != n * s.out_cols() {
         return Err(Error::Kernel(format!(
@@ -156,26 +186,25 @@ pub(crate) fn backward(
             s.out_cols()
         )));
     }
-    let mut dw = vec![0f32; s.weight_len()];
-    let mut db = vec![0f32; s.bias_len()];
-    let (dw_qkv, dw_o) = dw.split_at_mut(c * s.hidden);
-    let (db_qkv, db_o) = db.split_at_mut(c);
+    let mut dw_qkv = vec![0f32; s.qkv_weight_len()];
+    let mut d_rest = vec![0f32; s.rest_len()];
+    let (db_qkv, d_rest_o) = d_rest.split_at_mut(c);
     // Through W_O: dW_O = dY^T ctx, db_O = colsum(dY), d_ctx = dY W_O.
     let mut d_ctx_buf;
     let d_ctx: &[f32] = match s.out {
         Some(o) => {
             let dy = MatRef::row_major(d_out, n, o)?;
             let cm = MatRef::row_major(&saved.ctx, n, hv)?;
-            matmul(
-                &mut MatMut::new(dw_o, 0, o, hv, hv)?,
-                dy.t(),
-                cm,
-                false,
-                1.0,
-                threads(),
-            )?; // (out, h*vhd)
+            let (dw_o, db_o) = d_rest_o.split_at_mut(o * hv);
+            if s.o_t {
+                let mut dst = MatMut::new(dw_o, 0, hv, o, o)?; // (h*vhd, out)
+                matmul(&mut dst, cm.t(), dy, false, 1.0, threads())?;
+            } else {
+                let mut dst = MatMut::new(dw_o, 0, o, hv, hv)?; // (out, h*vhd)
+                matmul(&mut dst, dy.t(), cm, false, 1.0, threads())?;
+            }
             column_sums(d_out, o, db_o);
-            let w_o = MatRef::row_major(&w[c * s.hidden..], o, hv)?;
+            let w_o = s.w_o(rest, o)?;
             d_ctx_buf = TrainingBuffer::new(n * hv);
             matmul(
                 &mut MatMut::new(&mut d_ctx_buf, 0, n, hv, hv)?,
@@ -198,8 +227,7 @@ pub(crate) fn backward(
         s.heads_of(&saved.qkv),
         &saved.ctx,
         d_ctx,
-        mask,
-        s.scale,
+        (mask, s.scale, Some(&saved.lse)),
         (&mut d_qkv, at(0)),
         None,
         (at(q_cols), at(q_cols + s.kv_heads * s.head_dim)),
@@ -207,17 +235,16 @@ pub(crate) fn backward(
     // Through the projection: dW = dQKV^T x, db = colsum(dQKV), dx = dQKV W.
     let dq = MatRef::row_major(&d_qkv, n, c)?;
     let xm = MatRef::row_major(x, n, s.hidden)?;
-    matmul(
-        &mut MatMut::new(dw_qkv, 0, c, s.hidden, s.hidden)?,
-        dq.t(),
-        xm,
-        false,
-        1.0,
-        threads(),
-    )?; // (q+k+v, hidden)
+    if s.qkv_t {
+        let mut dst = MatMut::new(&mut dw_qkv, 0, s.hidden, c, c)?; // (hidden, q+k+v)
+        matmul(&mut dst, xm.t(), dq, false, 1.0, threads())?;
+    } else {
+        let mut dst = MatMut::new(&mut dw_qkv, 0, c, s.hidden, s.hidden)?; // (q+k+v, hidden)
+        matmul(&mut dst, dq.t(), xm, false, 1.0, threads())?;
+    }
     column_sums(&d_qkv, c, db_qkv);
     let mut dx = vec![0f32; n * s.hidden];
-    let w_qkv = MatRef::row_major(&w[..c * s.hidden], c, s.hidden)?;
+    let w_qkv = s.w_qkv(w)?;
     matmul(
         &mut MatMut::new(&mut dx, 0, n, s.hidden, s.hidden)?,
         dq,
@@ -226,7 +253,7 @@ pub(crate) fn backward(
         1.0,
         threads(),
     )?; // (n, hidden)
-    Ok((dx, dw, db))
+    Ok((dx, dw_qkv, d_rest))
 }
 
 /// `dst[j] = sum_i m[i * cols + j]` for a row-major matrix with `cols` columns.
