@@ -4,7 +4,7 @@
 //! line at the end.
 //!
 //! ```text
-//! cargo run --release --example train -- [--text FILE] [--steps 300] [--save model.safetensors]
+//! cargo run --release --example train -- [--text FILE] [--steps 400] [--save model.safetensors]
 //! ```
 
 use std::time::Instant;
@@ -23,7 +23,7 @@ struct Args {
     /// Training text (default: the sonnets shipped in examples/data/).
     #[arg(long, default_value = concat!(env!("CARGO_MANIFEST_DIR"), "/examples/data/sonnets.txt"))]
     text: std::path::PathBuf,
-    #[arg(long, default_value_t = 300)]
+    #[arg(long, default_value_t = 400)]
     steps: usize,
     #[arg(long, default_value_t = 16)]
     batch: usize,

@@ -14,6 +14,12 @@
 //! - [`SingleHeadSelfAttention`] and [`MultiHeadSelfAttention`] built with a `VarBuilder`
 //!   from a [`WeightLayout`]; both implement [`candle_core::Module`].
 //! - [`Checkpoint`]: safetensors files with errors that name what is wrong.
+//! - Training: a layer built on variables (a fresh one on a `VarMap` with
+//!   [`AttentionConfig::with_hidden_size`], or a checkpoint's tensors as `Var`s) is
+//!   differentiable end to end, gradients reaching the variables in their checkpoint layout;
+//!   on the CPU in f32 its forward and backward run on the kernels (FlashAttention-2-style
+//!   backward, memory linear in the sequence). [`dispatch`] tells which implementation runs
+//!   a call.
 //!
 //! CPU kernels run on rayon's global pool (`RAYON_NUM_THREADS` threads). A call made from
 //! outside the pool is handed over to it while the caller sleeps (~10-15 µs per call,

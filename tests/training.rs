@@ -575,3 +575,43 @@ fn stated_sizes_must_agree_with_the_checkpoint() -> anyhow::Result<()> {
     assert!(err.to_string().contains("with_hidden_size"), "{err}");
     Ok(())
 }
+
+#[test]
+fn weights_asked_for_and_streamed_keep_the_context_differentiable() -> anyhow::Result<()> {
+    let cfg = AttentionConfig::new(WeightLayout::Bert, 2).with_hidden_size(16);
+    let (attn, vm) = fresh_layer(&cfg, AttentionPath::Auto, 21)?;
+    let x = tensor(&[2, 9, 16], 22, 1.0)?;
+    let g = tensor(&[2, 9, 16], 23, 1.0)?;
+    let keep = Tensor::new(&[[1u8, 1, 1, 1, 1, 1, 1, 0, 0], [1; 9]], &Device::Cpu)?;
+    let mask = AttentionMask::padding(&keep)?;
+    let grads_of = |ctx: &Tensor| -> anyhow::Result<Vec<Tensor>> {
+        let grads = (ctx * &g)?.sum_all()?.backward()?;
+        let data = vm.data().lock().expect("varmap");
+        let mut names: Vec<&String> = data.keys().collect();
+        names.sort();
+        Ok(names
+            .into_iter()
+            .map(|n| grads.get(data[n].as_tensor()).expect("gradient").clone())
+            .collect())
+    };
+    let plain = grads_of(&attn.forward(&x, Some(&mask))?.context)?;
+    let with = attn.forward_with_weights(&x, Some(&mask))?;
+    let weights = with.weights.clone().expect("weights");
+    let mut blocks = Vec::new();
+    let streamed = attn.forward_streamed(&x, Some(&mask), |blk| {
+        blocks.extend_from_slice(blk.weights);
+        Ok(())
+    })?;
+    let streamed_weights = Tensor::from_vec(blocks, weights.dims(), &Device::Cpu)?;
+    assert!(max_abs_diff(&weights, &streamed_weights)? < 1e-6);
+    for (what, ctx) in [
+        ("with weights", &with.context),
+        ("streamed", &streamed.context),
+    ] {
+        for (a, b) in grads_of(ctx)?.iter().zip(&plain) {
+            let d = max_abs_diff(a, b)?;
+            assert!(d < 1e-5, "{what}: gradients differ by {d:e}");
+        }
+    }
+    Ok(())
+}
