@@ -604,9 +604,9 @@ impl MultiHeadSelfAttention {
                 (q, Some(kvp), s)
             }
         };
-        let (ctx, weights) = if route == Route::CpuKernelsTrainable {
-            // Heads read in place from the projections, context written merged, and the
-            // backward writes straight into the projections' gradient layout.
+        let (ctx, weights) = if let (Route::CpuKernelsTrainable, Some(kvp)) = (route, &kv_rows) {
+            // Cross-attention: heads read in place from the projections, context written
+            // merged, and the backward writes straight into the projections' gradient layout.
             let sizes = PackedSizes {
                 batch: b,
                 seq_q: t,
@@ -616,10 +616,7 @@ impl MultiHeadSelfAttention {
                 head_dim: hd,
                 v_head_dim: vhd,
             };
-            let context = match &kv_rows {
-                None => sdpa_op::packed_self_attention(&rows, sizes, mask, scale)?,
-                Some(kvp) => sdpa_op::packed_cross_attention(&rows, kvp, sizes, mask, scale)?,
-            }; // (b, t, h*vhd)
+            let context = sdpa_op::packed_cross_attention(&rows, kvp, sizes, mask, scale)?; // (b, t, h*vhd)
             (context, None)
         } else {
             let (q, k, v) = match &kv_rows {

@@ -149,31 +149,6 @@ impl PackedSizes {
     fn kv_cols(&self) -> usize {
         self.kv_heads * (self.head_dim + self.v_head_dim)
     }
-    /// Q, K and V heads in one buffer of `(batch * seq, q | k | v)` rows.
-    fn self_heads<'a>(
-        &self,
-        data: &'a [f32],
-    ) -> (PackedHeads<'a>, PackedHeads<'a>, PackedHeads<'a>) {
-        let cols = self.q_cols() + self.kv_cols();
-        let at = |col0, heads, width| PackedHeads {
-            data,
-            offset: 0,
-            seq: self.seq_q,
-            cols,
-            col0,
-            heads,
-            width,
-        };
-        (
-            at(0, self.heads, self.head_dim),
-            at(self.q_cols(), self.kv_heads, self.head_dim),
-            at(
-                self.q_cols() + self.kv_heads * self.head_dim,
-                self.kv_heads,
-                self.v_head_dim,
-            ),
-        )
-    }
     /// Q heads in `(batch * seq_q, q)` rows, K and V in `(batch * seq_k, k | v)` rows.
     fn cross_heads<'a>(
         &self,
@@ -209,19 +184,14 @@ impl PackedSizes {
     }
 }
 
-/// Self-attention on a fused `(batch * seq, q | k | v)` projection, heads read in place;
-/// differentiable to the projection.
-struct PackedSelfOp {
-    mask: Option<AttentionMask>,
-    scale: f64,
-    sizes: PackedSizes,
-}
-
-/// Cross-attention on `(batch * seq_q, q)` and `(batch * seq_k, k | v)` projections.
+/// Cross-attention on `(batch * seq_q, q)` and `(batch * seq_k, k | v)` projections;
+/// differentiable to both.
 struct PackedCrossOp {
     mask: Option<AttentionMask>,
     scale: f64,
     sizes: PackedSizes,
+    /// The forward's log-sum-exp per query row, for the backward.
+    lse: Mutex<Option<Vec<f32>>>,
 }
 
 /// The f32 values of a contiguous CPU storage view.
@@ -252,22 +222,6 @@ fn rows(t: &Tensor) -> Result<Tensor> {
     Ok(t.contiguous()?)
 }
 
-/// Self-attention on a fused projection `qkv` `(batch * seq, q | k | v)`; returns the
-/// context `(batch, seq, heads * v_head_dim)` with heads merged.
-pub(crate) fn packed_self_attention(
-    qkv: &Tensor,
-    sizes: PackedSizes,
-    mask: Option<&AttentionMask>,
-    scale: f64,
-) -> Result<Tensor> {
-    let op = PackedSelfOp {
-        mask: mask.filter(|m| !m.is_empty()).cloned(),
-        scale,
-        sizes,
-    };
-    Ok(rows(qkv)?.apply_op1(op)?)
-}
-
 /// Cross-attention on `q` `(batch * seq_q, q)` and `kv` `(batch * seq_k, k | v)`; returns
 /// the context `(batch, seq_q, heads * v_head_dim)`.
 pub(crate) fn packed_cross_attention(
@@ -281,61 +235,9 @@ pub(crate) fn packed_cross_attention(
         mask: mask.filter(|m| !m.is_empty()).cloned(),
         scale,
         sizes,
+        lse: Mutex::new(None),
     };
     Ok(rows(q)?.apply_op2(&rows(kv)?, op)?)
-}
-
-impl candle_core::CustomOp1 for PackedSelfOp {
-    fn name(&self) -> &'static str {
-        "candle-attention-packed-self-attention"
-    }
-
-    fn cpu_fwd(&self, s: &CpuStorage, l: &Layout) -> candle_core::Result<(CpuStorage, Shape)> {
-        let run = || -> Result<(CpuStorage, Shape)> {
-            let data = contiguous(s, l, "qkv")?;
-            let ctx = kernels::sdpa::packed_attention(
-                self.sizes.batch,
-                self.sizes.self_heads(data),
-                self.mask.as_ref(),
-                self.scale,
-            )?;
-            Ok((CpuStorage::F32(ctx), self.sizes.context_shape()))
-        };
-        run().map_err(Error::into_candle)
-    }
-
-    fn bwd(
-        &self,
-        qkv: &Tensor,
-        res: &Tensor,
-        grad_res: &Tensor,
-    ) -> candle_core::Result<Option<Tensor>> {
-        let run = || -> Result<Option<Tensor>> {
-            let z = self.sizes;
-            let (qkv_t, res_t, grad_t) = (dense(qkv)?, dense(res)?, dense(grad_res)?);
-            let (data, o, d_o) = (
-                CpuF32::new(&qkv_t, "qkv")?,
-                CpuF32::new(&res_t, "context")?,
-                CpuF32::new(&grad_t, "context gradient")?,
-            );
-            let (data, o, d_o) = (data.contiguous()?, o.contiguous()?, d_o.contiguous()?);
-            let cols = z.q_cols() + z.kv_cols();
-            let mut grad = vec![0f32; z.batch * z.seq_q * cols];
-            let at = |col0| PackedGrad { cols, col0 };
-            kernels::sdpa::packed_attention_backward(
-                z.batch,
-                z.self_heads(data),
-                o,
-                d_o,
-                (self.mask.as_ref(), self.scale, None),
-                (&mut grad, at(0)),
-                None,
-                (at(z.q_cols()), at(z.q_cols() + z.kv_heads * z.head_dim)),
-            )?;
-            Ok(Some(Tensor::from_vec(grad, qkv.shape(), qkv.device())?))
-        };
-        run().map_err(Error::into_candle)
-    }
 }
 
 impl candle_core::CustomOp2 for PackedCrossOp {
@@ -353,12 +255,20 @@ impl candle_core::CustomOp2 for PackedCrossOp {
         let run = || -> Result<(CpuStorage, Shape)> {
             let q = contiguous(s1, l1, "q")?;
             let kv = contiguous(s2, l2, "kv")?;
-            let ctx = kernels::sdpa::packed_attention(
-                self.sizes.batch,
-                self.sizes.cross_heads(q, kv),
+            let z = self.sizes;
+            let mut ctx = vec![0f32; z.batch * z.seq_q * z.heads * z.v_head_dim];
+            let mut lse = vec![0f32; z.batch * z.heads * z.seq_q];
+            kernels::sdpa::packed_attention_into(
+                z.batch,
+                z.cross_heads(q, kv),
                 self.mask.as_ref(),
                 self.scale,
+                &mut ctx,
+                Some(&mut lse),
             )?;
+            if let Ok(mut slot) = self.lse.lock() {
+                *slot = Some(lse);
+            }
             Ok((CpuStorage::F32(ctx), self.sizes.context_shape()))
         };
         run().map_err(Error::into_candle)
@@ -383,6 +293,8 @@ impl candle_core::CustomOp2 for PackedCrossOp {
             );
             let (qd, kvd) = (qc.contiguous()?, kvc.contiguous()?);
             let (o, d_o) = (oc.contiguous()?, doc.contiguous()?);
+            let saved = self.lse.lock().ok();
+            let lse = saved.as_ref().and_then(|s| s.as_deref());
             let mut gq = vec![0f32; qd.len()];
             let mut gkv = vec![0f32; kvd.len()];
             let kv_at = |col0| PackedGrad {
@@ -394,7 +306,7 @@ impl candle_core::CustomOp2 for PackedCrossOp {
                 z.cross_heads(qd, kvd),
                 o,
                 d_o,
-                (self.mask.as_ref(), self.scale, None),
+                (self.mask.as_ref(), self.scale, lse),
                 (
                     &mut gq,
                     PackedGrad {

@@ -278,20 +278,8 @@ fn with_packed_problem<R>(
     f(&problem)
 }
 
-/// The context as `(batch * seq_q, heads * d_v)` rows (heads merged) of packed Q, K, V.
-pub(crate) fn packed_attention(
-    batch: usize,
-    qkv: (PackedHeads<'_>, PackedHeads<'_>, PackedHeads<'_>),
-    mask: Option<&AttentionMask>,
-    scale: f64,
-) -> Result<Vec<f32>> {
-    let (q, v) = (qkv.0, qkv.2);
-    let mut ctx = vec![0f32; batch * q.seq * q.heads * v.width];
-    packed_attention_into(batch, qkv, mask, scale, &mut ctx, None)?;
-    Ok(ctx)
-}
-
-/// [`packed_attention`] into `ctx`, `(batch * seq_q, heads * d_v)` (overwritten), and each
+/// The context of packed Q, K, V into `ctx`, `(batch * seq_q, heads * d_v)` rows with the
+/// heads merged (overwritten), and each
 /// query row's log-sum-exp into `lse`, `(batch, heads, seq_q)`, when given (for the
 /// backward).
 pub(crate) fn packed_attention_into(
@@ -347,7 +335,7 @@ pub(crate) struct PackedGrad {
     pub col0: usize,
 }
 
-/// Gradients of [`packed_attention`] given the context `o` and its gradient `d_o` (both
+/// Gradients of [`packed_attention_into`] given the context `o` and its gradient `d_o` (both
 /// `(batch * seq_q, heads * d_v)` rows) and, when the forward kept them, the rows'
 /// log-sum-exps, written into `dst` buffers in the packed layout of
 /// the inputs: `dst.0` receives dQ, `dst.1` dK and dV (the same buffer for self-attention,
