@@ -59,13 +59,16 @@ pub mod dispatch;
 mod error;
 mod flash;
 mod kernels;
+mod kv_cache;
 mod layer_op;
 mod layout;
+mod llama;
 mod mask;
 mod memory;
 mod model;
 mod multi_head;
 mod output;
+mod rope;
 mod sdpa;
 mod sdpa_op;
 mod single_head;
@@ -81,12 +84,15 @@ pub use cost::{self_attention_cost, AttentionCost};
 pub use device::{parse_dtype, select_device};
 pub use error::{Error, Result};
 pub use kernels::WeightsBlock;
+pub use kv_cache::KvCache;
 pub use layout::{LinearWeights, Projections, WeightLayout};
+pub use llama::{argmax_ids, LlamaConfig, LlamaModel};
 pub use mask::{AttentionMask, MaskPart};
 pub use memory::{attention_weights_bytes, available_memory_bytes};
 pub use model::{default_model_dir, Model, ModelFiles, ModelResolver, DEFAULT_MODEL_NAME};
 pub use multi_head::MultiHeadSelfAttention;
 pub use output::AttentionOutput;
+pub use rope::{RopeConfig, RopeLayout, RopeScaling, RotaryEmbedding};
 pub use sdpa::{
     scaled_dot_product_attention, scaled_dot_product_attention_explicit,
     scaled_dot_product_attention_on, scaled_dot_product_attention_streamed, AttentionPath,

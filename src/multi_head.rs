@@ -690,6 +690,95 @@ impl MultiHeadSelfAttention {
         Ok((b, t, d))
     }
 
+    /// The heads of Q, K and V of `x`, before any position encoding: the first half of an
+    /// attention call, for decoders that rotate queries and keys and keep a cache (see
+    /// [`crate::LlamaModel`]). On the CPU in f32, with nothing tracking gradients, the
+    /// projection runs on the packed micro-kernels.
+    ///
+    /// # Shapes
+    /// - `x`: `(batch, seq, hidden)`
+    /// - returns q `(batch, heads, seq, head_dim)`, k `(batch, kv_heads, seq, head_dim)`,
+    ///   v `(batch, kv_heads, seq, v_head_dim)` (views with a contiguous last dimension)
+    pub fn project_qkv(&self, x: &Tensor) -> Result<(Tensor, Tensor, Tensor)> {
+        let (b, t, d) = self.check_input("x", x, self.hidden)?;
+        let (h, kvh, hd, vhd) = (
+            self.num_heads,
+            self.num_kv_heads,
+            self.head_dim,
+            self.v_head_dim,
+        );
+        let x2 = x.reshape((b * t, d))?; // (b*t, hidden)
+        let qkv = match &self.qkv {
+            QkvProjection::Fused { weight_t, bias } => match weight_t.cpu_f32() {
+                Some(w) if x.device().is_cpu() && x.dtype() == DType::F32 && !x.track_op() => {
+                    self_attention::linear_rows(&x2, w, bias.as_ref())?
+                }
+                _ => linear_in_out(&x2, &weight_t.tensor()?, bias.as_ref())?,
+            },
+            QkvProjection::Separate { q, k, v } => {
+                if self.kv_hidden != self.hidden {
+                    return Err(Error::input(
+                        "x",
+                        "a layer whose keys and values read the queries' width",
+                        format!("keys/values of width {}", self.kv_hidden),
+                    ));
+                }
+                let w = Tensor::cat(&[&q.weight, &k.weight, &v.weight], 0)?; // (q+k+v, hidden)
+                linear(&x2, &w, fused_bias(q, k, v)?.as_ref())?
+            }
+        }; // (b*t, q+k+v)
+        let q = qkv
+            .narrow(1, 0, h * hd)?
+            .reshape((b, t, h, hd))?
+            .transpose(1, 2)?; // (b, h, t, hd)
+        let k = qkv
+            .narrow(1, h * hd, kvh * hd)?
+            .reshape((b, t, kvh, hd))?
+            .transpose(1, 2)?; // (b, kvh, t, hd)
+        let v = qkv
+            .narrow(1, (h + kvh) * hd, kvh * vhd)?
+            .reshape((b, t, kvh, vhd))?
+            .transpose(1, 2)?; // (b, kvh, t, vhd)
+        Ok((q, k, v))
+    }
+
+    /// The heads merged and `W_O` applied: the second half of an attention call (see
+    /// [`MultiHeadSelfAttention::project_qkv`]).
+    ///
+    /// # Shapes
+    /// - `context`: `(batch, heads, seq, v_head_dim)`; returns `(batch, seq, hidden_out)`
+    pub fn merge_heads(&self, context: &Tensor) -> Result<Tensor> {
+        let (b, h, t, vhd) = context.dims4()?;
+        if (h, vhd) != (self.num_heads, self.v_head_dim) {
+            return Err(Error::input(
+                "context",
+                format!(
+                    "({}, {}) heads x v_head_dim",
+                    self.num_heads, self.v_head_dim
+                ),
+                format!("shape {:?}", context.dims()),
+            ));
+        }
+        let ctx = context.transpose(1, 2)?.reshape((b * t, h * vhd))?; // (b*t, h*vhd)
+        Ok(match &self.out_proj {
+            Some(o) => {
+                let out = match o.weight_t.cpu_f32() {
+                    Some(w)
+                        if ctx.device().is_cpu()
+                            && ctx.dtype() == DType::F32
+                            && !ctx.track_op() =>
+                    {
+                        self_attention::linear_rows(&ctx, w, o.bias.as_ref())?
+                    }
+                    _ => linear_in_out(&ctx, &o.weight_t.tensor()?, o.bias.as_ref())?,
+                }; // (b*t, out)
+                let (_, o_out) = out.dims2()?;
+                out.reshape((b, t, o_out))? // (b, t, out)
+            }
+            None => ctx.reshape((b, t, h * vhd))?,
+        })
+    }
+
     /// The parameters as the differentiable CPU layer takes them (see
     /// `kernels::trainable_layer::LayerShape`): `W_qkv` as stored where it can be (and
     /// whether that is `(hidden, q + k + v)`), then the Q/K/V biases, `W_O` (and whether it

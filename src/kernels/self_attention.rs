@@ -78,6 +78,20 @@ fn project(
     }
 }
 
+/// `x W + b` for `x` `(rows, in)` f32 on the CPU and a stored `(in, out)` weight: the
+/// projection on the packed micro-kernels where the weight is packed.
+///
+/// # Shapes
+/// - `x`: `(rows, in)`; returns `(rows, out)`
+pub(crate) fn linear_rows(x: &Tensor, w: WeightRef<'_>, bias: Option<&Tensor>) -> Result<Tensor> {
+    let (rows, _) = x.dims2()?;
+    let xc = x.contiguous()?;
+    let xv = CpuF32::new(&xc, "x")?;
+    let out = project(xv.matrix()?, w, bias, Columns::All, 0)?;
+    let cols = out.len() / rows.max(1);
+    Ok(Tensor::from_vec(out, (rows, cols), &Device::Cpu)?)
+}
+
 /// `(rows, width)` row-major view of a `(batch, seq, width)` tensor (copied only when it is
 /// not contiguous).
 fn rows_of(t: &Tensor) -> Result<Tensor> {

@@ -1,0 +1,394 @@
+//! A LLaMA-family decoder (LLaMA, Mistral, Qwen2) on this crate's attention: token
+//! embeddings, per layer RMSNorm, attention with rotary embeddings and a KV cache, RMSNorm,
+//! SwiGLU MLP, then a final RMSNorm and the language-model head (tied to the embeddings or
+//! separate). Loads `config.json` and `model.safetensors` with the Hugging Face names
+//! (`model.layers.N.self_attn.q_proj.weight`, ...).
+
+use std::path::Path;
+
+use candle_core::{DType, Device, Module, Tensor, D};
+use candle_nn::{Embedding, Linear, RmsNorm, VarBuilder};
+use serde::Deserialize;
+use serde_json::Value;
+
+use crate::config::AttentionConfig;
+use crate::error::{Error, Result};
+use crate::kv_cache::KvCache;
+use crate::layout::WeightLayout;
+use crate::mask::AttentionMask;
+use crate::multi_head::MultiHeadSelfAttention;
+use crate::rope::{RopeConfig, RopeLayout, RotaryEmbedding};
+use crate::sdpa::{scaled_dot_product_attention, SdpaOptions};
+
+fn default_rms_eps() -> f64 {
+    1e-6
+}
+fn default_act() -> String {
+    "silu".to_string()
+}
+
+/// The decoder fields of a Hugging Face `config.json` (LLaMA, Mistral, Qwen2 names).
+#[derive(Debug, Clone, Deserialize)]
+pub struct LlamaConfig {
+    /// `llama`, `mistral` or `qwen2`.
+    #[serde(default)]
+    pub model_type: Option<String>,
+    pub hidden_size: usize,
+    pub intermediate_size: usize,
+    pub num_attention_heads: usize,
+    /// Grouped K/V heads; absent means `num_attention_heads`.
+    #[serde(default)]
+    pub num_key_value_heads: Option<usize>,
+    pub num_hidden_layers: usize,
+    pub vocab_size: usize,
+    #[serde(default = "default_rms_eps")]
+    pub rms_norm_eps: f64,
+    /// Features per head where it is not `hidden_size / num_attention_heads`.
+    #[serde(default)]
+    pub head_dim: Option<usize>,
+    /// The output head is the embedding matrix.
+    #[serde(default)]
+    pub tie_word_embeddings: bool,
+    /// Mistral: a query sees its last `sliding_window` keys, itself included.
+    #[serde(default)]
+    pub sliding_window: Option<usize>,
+    /// Qwen2: whether `sliding_window` applies (to the layers from `max_window_layers` on).
+    #[serde(default)]
+    pub use_sliding_window: bool,
+    #[serde(default)]
+    pub max_window_layers: Option<usize>,
+    /// Longest context the model was trained for.
+    #[serde(default)]
+    pub max_position_embeddings: Option<usize>,
+    /// One id or a list.
+    #[serde(default)]
+    pub eos_token_id: Option<Value>,
+    #[serde(default)]
+    pub bos_token_id: Option<Value>,
+    /// The MLP's activation (`silu`).
+    #[serde(default = "default_act")]
+    pub hidden_act: String,
+    /// The rotary configuration (from `rope_theta` / `rope_scaling` / `rope_parameters`,
+    /// `head_dim`, `partial_rotary_factor`).
+    #[serde(skip_deserializing, default = "RopeConfig::placeholder")]
+    pub rope: RopeConfig,
+}
+
+impl LlamaConfig {
+    /// Reads and checks a `config.json`.
+    pub fn from_file(path: impl AsRef<Path>) -> Result<Self> {
+        let path = path.as_ref();
+        let text = std::fs::read_to_string(path).map_err(|cause| Error::Io {
+            path: path.to_path_buf(),
+            cause,
+        })?;
+        Self::from_json(&text).map_err(|e| match e {
+            Error::Config { message, .. } => Error::Config {
+                path: Some(path.to_path_buf()),
+                message,
+            },
+            other => other,
+        })
+    }
+
+    /// Parses and checks the text of a `config.json`.
+    pub fn from_json(text: &str) -> Result<Self> {
+        let raw: Value = serde_json::from_str(text).map_err(|e| Error::config(e.to_string()))?;
+        let mut cfg: Self =
+            serde_json::from_value(raw.clone()).map_err(|e| Error::config(e.to_string()))?;
+        let kind = cfg.model_type.as_deref().unwrap_or("llama");
+        if !matches!(kind, "llama" | "mistral" | "qwen2") {
+            return Err(Error::config(format!(
+                "model_type `{kind}` is not a LLaMA-family decoder (llama, mistral, qwen2)"
+            )));
+        }
+        if cfg.hidden_act != "silu" {
+            return Err(Error::config(format!(
+                "hidden_act `{}` is not supported (silu)",
+                cfg.hidden_act
+            )));
+        }
+        for (name, v) in [
+            ("hidden_size", cfg.hidden_size),
+            ("num_attention_heads", cfg.num_attention_heads),
+            ("num_hidden_layers", cfg.num_hidden_layers),
+            ("vocab_size", cfg.vocab_size),
+            ("intermediate_size", cfg.intermediate_size),
+        ] {
+            if v == 0 {
+                return Err(Error::config(format!("`{name}` must be at least 1")));
+            }
+        }
+        cfg.rope = RopeConfig::from_hf_json(&raw, RopeLayout::Half)?;
+        Ok(cfg)
+    }
+
+    /// The end-of-sequence ids.
+    pub fn eos_ids(&self) -> Vec<u32> {
+        match &self.eos_token_id {
+            Some(Value::Number(n)) => n.as_u64().map(|x| vec![x as u32]).unwrap_or_default(),
+            Some(Value::Array(a)) => a
+                .iter()
+                .filter_map(Value::as_u64)
+                .map(|x| x as u32)
+                .collect(),
+            _ => Vec::new(),
+        }
+    }
+
+    /// The sliding window of layer `i`, if it has one.
+    pub fn window_of(&self, i: usize) -> Option<usize> {
+        match self.model_type.as_deref() {
+            Some("qwen2") => {
+                let from = self.max_window_layers.unwrap_or(0);
+                (self.use_sliding_window && i >= from)
+                    .then_some(self.sliding_window)
+                    .flatten()
+            }
+            Some("mistral") => self.sliding_window,
+            _ => None,
+        }
+    }
+}
+
+impl RopeConfig {
+    /// Stands in until `LlamaConfig::from_json` fills the real one.
+    fn placeholder() -> Self {
+        Self {
+            theta: 10_000.0,
+            head_dim: 2,
+            rotary_dim: 2,
+            scaling: crate::rope::RopeScaling::Default,
+            layout: RopeLayout::Half,
+        }
+    }
+}
+
+/// `down(silu(gate(x)) * up(x))`.
+#[derive(Debug, Clone)]
+struct Mlp {
+    gate: Linear,
+    up: Linear,
+    down: Linear,
+}
+
+impl Mlp {
+    fn load(vb: VarBuilder, cfg: &LlamaConfig) -> Result<Self> {
+        let (d, i) = (cfg.hidden_size, cfg.intermediate_size);
+        let lin = |vb: VarBuilder, inp, out| -> Result<Linear> {
+            let w = vb.get((out, inp), "weight")?;
+            let b = if vb.contains_tensor("bias") {
+                Some(vb.get(out, "bias")?)
+            } else {
+                None
+            };
+            Ok(Linear::new(w, b))
+        };
+        Ok(Self {
+            gate: lin(vb.pp("gate_proj"), d, i)?,
+            up: lin(vb.pp("up_proj"), d, i)?,
+            down: lin(vb.pp("down_proj"), i, d)?,
+        })
+    }
+
+    fn forward(&self, x: &Tensor) -> Result<Tensor> {
+        let g = candle_nn::ops::silu(&self.gate.forward(x)?)?;
+        Ok(self.down.forward(&(g * self.up.forward(x)?)?)?)
+    }
+}
+
+/// One decoder layer.
+#[derive(Debug, Clone)]
+struct DecoderLayer {
+    input_norm: RmsNorm,
+    attn: MultiHeadSelfAttention,
+    post_norm: RmsNorm,
+    mlp: Mlp,
+    window: Option<usize>,
+}
+
+impl DecoderLayer {
+    /// `x` `(batch, seq, hidden)` at positions `cache.len()..`; the cache grows by `seq`.
+    fn forward(&self, x: &Tensor, rope: &RotaryEmbedding, cache: &mut KvCache) -> Result<Tensor> {
+        let (_, t, _) = x.dims3()?;
+        let offset = cache.len();
+        let h = self.input_norm.forward(x)?;
+        let (q, k, v) = self.attn.project_qkv(&h)?;
+        let q = rope.apply(&q, offset)?; // (b, h, t, hd)
+        let k = rope.apply(&k, offset)?; // (b, kvh, t, hd)
+        let (k_all, v_all) = cache.append(&k, &v)?; // (b, kvh, offset + t, hd)
+        let total = offset + t;
+        let (k_all, v_all, mask) = match self.window {
+            // One query: only its last `window` keys, no mask needed.
+            Some(w) if t == 1 && total > w => (
+                k_all.narrow(2, total - w, w)?,
+                v_all.narrow(2, total - w, w)?,
+                None,
+            ),
+            Some(w) if total > w => {
+                let keep: Vec<u8> = (0..t)
+                    .flat_map(|i| {
+                        (0..total).map(move |j| u8::from(j <= offset + i && j + w > offset + i))
+                    })
+                    .collect();
+                let keep = Tensor::from_vec(keep, (t, total), x.device())?;
+                (k_all, v_all, Some(AttentionMask::keep(&keep)?))
+            }
+            _ if t == 1 => (k_all, v_all, None),
+            _ => (
+                k_all,
+                v_all,
+                Some(AttentionMask::causal_with_offset(offset)),
+            ),
+        };
+        let ctx = scaled_dot_product_attention(
+            &q,
+            &k_all,
+            &v_all,
+            mask.as_ref(),
+            SdpaOptions::default(),
+        )?
+        .context; // (b, h, t, vhd)
+        let x = (x + self.attn.merge_heads(&ctx)?)?;
+        let m = self.mlp.forward(&self.post_norm.forward(&x)?)?;
+        Ok((x + m)?)
+    }
+}
+
+/// A LLaMA-family causal language model.
+#[derive(Debug, Clone)]
+pub struct LlamaModel {
+    cfg: LlamaConfig,
+    embed: Embedding,
+    layers: Vec<DecoderLayer>,
+    norm: RmsNorm,
+    /// `(vocab, hidden)`: the embedding matrix when tied.
+    lm_head: Linear,
+    rope: RotaryEmbedding,
+}
+
+impl LlamaModel {
+    /// Loads the model under `vb` (the checkpoint's root: `model.embed_tokens.weight`, ...).
+    pub fn load(vb: VarBuilder, cfg: &LlamaConfig) -> Result<Self> {
+        let d = cfg.hidden_size;
+        let m = vb.pp("model");
+        let embed_w = m.pp("embed_tokens").get((cfg.vocab_size, d), "weight")?;
+        let embed = Embedding::new(embed_w.clone(), d);
+        let heads = cfg.num_attention_heads;
+        let kv_heads = cfg.num_key_value_heads.unwrap_or(heads);
+        let mut layers = Vec::with_capacity(cfg.num_hidden_layers);
+        for i in 0..cfg.num_hidden_layers {
+            let l = m.pp(format!("layers.{i}"));
+            let acfg = AttentionConfig::new(WeightLayout::Llama, heads)
+                .with_kv_heads(kv_heads)
+                .with_causal(true);
+            layers.push(DecoderLayer {
+                input_norm: candle_nn::rms_norm(d, cfg.rms_norm_eps, l.pp("input_layernorm"))?,
+                attn: MultiHeadSelfAttention::load(l.pp("self_attn"), &acfg)?,
+                post_norm: candle_nn::rms_norm(
+                    d,
+                    cfg.rms_norm_eps,
+                    l.pp("post_attention_layernorm"),
+                )?,
+                mlp: Mlp::load(l.pp("mlp"), cfg)?,
+                window: cfg.window_of(i),
+            });
+            let head_dim = layers[i].attn.head_dim();
+            if head_dim != cfg.rope.head_dim {
+                return Err(Error::config(format!(
+                    "layer {i}: the projections give heads of {head_dim} features, the config {}",
+                    cfg.rope.head_dim
+                )));
+            }
+        }
+        let norm = candle_nn::rms_norm(d, cfg.rms_norm_eps, m.pp("norm"))?;
+        let lm_head = if cfg.tie_word_embeddings && !vb.contains_tensor("lm_head.weight") {
+            Linear::new(embed_w, None)
+        } else {
+            Linear::new(vb.pp("lm_head").get((cfg.vocab_size, d), "weight")?, None)
+        };
+        let positions = cfg.max_position_embeddings.unwrap_or(2048).min(1 << 16);
+        let rope = RotaryEmbedding::new(cfg.rope.clone(), positions, vb.device())?;
+        Ok(Self {
+            cfg: cfg.clone(),
+            embed,
+            layers,
+            norm,
+            lm_head,
+            rope,
+        })
+    }
+
+    /// Loads `config.json` and `model.safetensors` (or the shards a
+    /// `model.safetensors.index.json` names) from a directory.
+    pub fn from_dir(dir: impl AsRef<Path>, dtype: DType, device: &Device) -> Result<Self> {
+        let dir = dir.as_ref();
+        let cfg = LlamaConfig::from_file(dir.join("config.json"))?;
+        let ckpt = crate::Checkpoint::open(dir.join("model.safetensors"))?;
+        Self::load(ckpt.var_builder(dtype, device), &cfg)
+    }
+
+    /// The configuration.
+    pub fn config(&self) -> &LlamaConfig {
+        &self.cfg
+    }
+
+    /// One empty cache per layer, with room for `capacity` positions.
+    pub fn new_caches(&self, capacity: usize) -> Vec<KvCache> {
+        (0..self.layers.len())
+            .map(|_| KvCache::new(capacity))
+            .collect()
+    }
+
+    /// The logits of every position of `ids`, which continue what `caches` hold (empty
+    /// caches: a prompt's prefill; one id: a decode step). The caches grow by `seq`.
+    ///
+    /// # Shapes
+    /// - `ids`: `(batch, seq)` u32; returns `(batch, seq, vocab)` f32
+    pub fn forward(&self, ids: &Tensor, caches: &mut [KvCache]) -> Result<Tensor> {
+        let h = self.hidden_states(ids, caches)?;
+        Ok(self.lm_head.forward(&h)?.to_dtype(DType::F32)?)
+    }
+
+    /// The logits of the last position only (what generation needs after a prefill).
+    ///
+    /// # Shapes
+    /// - `ids`: `(batch, seq)`; returns `(batch, vocab)` f32
+    pub fn forward_last(&self, ids: &Tensor, caches: &mut [KvCache]) -> Result<Tensor> {
+        let h = self.hidden_states(ids, caches)?;
+        let (_, t, _) = h.dims3()?;
+        let last = h.narrow(1, t - 1, 1)?.squeeze(1)?; // (b, hidden)
+        Ok(self.lm_head.forward(&last)?.to_dtype(DType::F32)?)
+    }
+
+    fn hidden_states(&self, ids: &Tensor, caches: &mut [KvCache]) -> Result<Tensor> {
+        if caches.len() != self.layers.len() {
+            return Err(Error::input(
+                "caches",
+                format!("one per layer ({})", self.layers.len()),
+                format!("{}", caches.len()),
+            ));
+        }
+        let (_, t) = ids.dims2()?;
+        if t == 0 {
+            return Err(Error::input(
+                "ids",
+                "at least one token",
+                "an empty sequence",
+            ));
+        }
+        let mut x = self.embed.forward(ids)?; // (b, t, hidden)
+        for (layer, cache) in self.layers.iter().zip(caches.iter_mut()) {
+            x = layer.forward(&x, &self.rope, cache)?;
+        }
+        Ok(self.norm.forward(&x)?)
+    }
+}
+
+/// The index of the largest logit of each row.
+///
+/// # Shapes
+/// - `logits`: `(batch, vocab)`; returns `batch` ids
+pub fn argmax_ids(logits: &Tensor) -> Result<Vec<u32>> {
+    Ok(logits.argmax(D::Minus1)?.to_vec1::<u32>()?)
+}

@@ -1,0 +1,188 @@
+//! The contract of `examples/generate.rs` on the decoder fixtures: JSON output fields,
+//! greedy ids and `--logits` rows equal transformers', EOS handling, clear errors.
+
+mod common;
+
+use std::process::Command;
+
+use candle_attention::Checkpoint;
+use candle_core::{DType, Device};
+use common::{max_abs_diff, repo_path, TempDir};
+
+fn run(args: &[&str]) -> anyhow::Result<std::process::Output> {
+    Ok(Command::new(common::example_bin("generate")?)
+        .args(args)
+        .current_dir(repo_path(""))
+        .output()?)
+}
+
+#[test]
+fn json_ids_and_logits_equal_transformers() -> anyhow::Result<()> {
+    let dir = TempDir::new("generate-cli")?;
+    for case in ["llama_gqa", "qwen2_tied", "mistral_window"] {
+        let model = repo_path(&format!("tests/fixtures/decoders/{case}"));
+        let exp = Checkpoint::open(model.join("expected.safetensors"))?;
+        let prompt: Vec<i64> = exp
+            .tensor("input_ids", &Device::Cpu)?
+            .squeeze(0)?
+            .to_vec1()?;
+        let want: Vec<i64> = exp.tensor("generated_ids", &Device::Cpu)?.to_vec1()?;
+        let prompt_arg = prompt
+            .iter()
+            .map(|x| x.to_string())
+            .collect::<Vec<_>>()
+            .join(",");
+        let logits = dir.file(&format!("{case}.safetensors"));
+        let n = want.len().to_string();
+        let out = run(&[
+            "--model",
+            model.to_str().unwrap_or_default(),
+            "--prompt-ids",
+            &prompt_arg,
+            "--max-new-tokens",
+            &n,
+            "--ignore-eos",
+            "--format",
+            "json",
+            "--logits",
+            logits.to_str().unwrap_or_default(),
+        ])?;
+        anyhow::ensure!(
+            out.status.success(),
+            "{case}: {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        let stdout = String::from_utf8(out.stdout)?;
+        assert_eq!(
+            stdout.trim().lines().count(),
+            1,
+            "{case}: one JSON object: {stdout}"
+        );
+        let obj: serde_json::Value = serde_json::from_str(stdout.trim())?;
+        let ids = |k: &str| -> Vec<i64> {
+            obj[k]
+                .as_array()
+                .into_iter()
+                .flatten()
+                .filter_map(|v| v.as_i64())
+                .collect()
+        };
+        assert_eq!(ids("prompt_ids"), prompt, "{case}");
+        assert_eq!(ids("generated_ids"), want, "{case}");
+        assert!(
+            obj["prefill_ms"].as_f64().is_some_and(|v| v > 0.0),
+            "{case}: {obj}"
+        );
+        assert!(
+            obj["decode_tokens_per_s"].as_f64().is_some_and(|v| v > 0.0),
+            "{case}: {obj}"
+        );
+        assert!(
+            obj.get("text").is_none(),
+            "{case}: no tokenizer.json, no text"
+        );
+        let got = candle_core::safetensors::load(&logits, &Device::Cpu)?;
+        let got = &got["logits"];
+        assert_eq!(got.dtype(), DType::F32);
+        let want_rows = exp.tensor("generation_logits", &Device::Cpu)?;
+        assert_eq!(
+            got.dims(),
+            want_rows.dims(),
+            "{case}: (prompt + N - 1, vocab)"
+        );
+        let scale = want_rows.abs()?.max_all()?.to_scalar::<f32>()?;
+        assert!(
+            max_abs_diff(got, &want_rows)? <= 1e-4 * scale,
+            "{case}: logits"
+        );
+    }
+    Ok(())
+}
+
+#[test]
+fn stops_at_the_eos_token_unless_told_not_to() -> anyhow::Result<()> {
+    // The llama_gqa fixture's eos_token_id is 2; a prompt whose greedy continuation reaches
+    // it is searched for among short prompts, then generation must stop right after it.
+    let model = repo_path("tests/fixtures/decoders/llama_gqa");
+    let model = model.to_str().unwrap_or_default();
+    let mut seen = false;
+    for first in 3..60u32 {
+        let prompt = format!("1,{first},{}", (first * 7) % 120 + 3);
+        let out = run(&[
+            "--model",
+            model,
+            "--prompt-ids",
+            &prompt,
+            "--max-new-tokens",
+            "40",
+            "--format",
+            "json",
+        ])?;
+        anyhow::ensure!(
+            out.status.success(),
+            "{}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        let obj: serde_json::Value = serde_json::from_str(String::from_utf8(out.stdout)?.trim())?;
+        let ids: Vec<i64> = obj["generated_ids"]
+            .as_array()
+            .into_iter()
+            .flatten()
+            .filter_map(|v| v.as_i64())
+            .collect();
+        if let Some(pos) = ids.iter().position(|&t| t == 2) {
+            assert_eq!(pos, ids.len() - 1, "stops right after EOS: {ids:?}");
+            let out = run(&[
+                "--model",
+                model,
+                "--prompt-ids",
+                &prompt,
+                "--max-new-tokens",
+                "40",
+                "--format",
+                "json",
+                "--ignore-eos",
+            ])?;
+            let obj: serde_json::Value =
+                serde_json::from_str(String::from_utf8(out.stdout)?.trim())?;
+            assert_eq!(
+                obj["generated_ids"].as_array().map_or(0, Vec::len),
+                40,
+                "--ignore-eos"
+            );
+            seen = true;
+            break;
+        }
+    }
+    assert!(seen, "no short prompt reached EOS within 40 tokens");
+    Ok(())
+}
+
+#[test]
+fn text_output_and_prompt_text_need_a_tokenizer() -> anyhow::Result<()> {
+    let model = repo_path("tests/fixtures/decoders/llama_gqa");
+    let model = model.to_str().unwrap_or_default();
+    for args in [
+        vec!["--model", model, "--prompt", "hello"],
+        vec!["--model", model, "--prompt-ids", "1,2,3"],
+    ] {
+        let out = run(&args)?;
+        assert!(!out.status.success());
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert!(
+            err.starts_with("error: ") && err.contains("tokenizer.json"),
+            "{err}"
+        );
+    }
+    let out = run(&[
+        "--model",
+        "/nonexistent/dir",
+        "--prompt-ids",
+        "1",
+        "--format",
+        "json",
+    ])?;
+    assert!(!out.status.success());
+    assert!(String::from_utf8_lossy(&out.stderr).contains("/nonexistent/dir"));
+    Ok(())
+}
