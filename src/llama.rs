@@ -279,9 +279,12 @@ impl LlamaModel {
         let mut layers = Vec::with_capacity(cfg.num_hidden_layers);
         for i in 0..cfg.num_hidden_layers {
             let l = m.pp(format!("layers.{i}"));
+            // Sizes stated: every projection is read with its full shape.
             let acfg = AttentionConfig::new(WeightLayout::Llama, heads)
                 .with_kv_heads(kv_heads)
-                .with_causal(true);
+                .with_causal(true)
+                .with_hidden_size(d)
+                .with_head_dim(cfg.rope.head_dim);
             layers.push(DecoderLayer {
                 input_norm: candle_nn::rms_norm(d, cfg.rms_norm_eps, l.pp("input_layernorm"))?,
                 attn: MultiHeadSelfAttention::load(l.pp("self_attn"), &acfg)?,
