@@ -5,11 +5,10 @@
 
 use std::sync::Mutex;
 
-use candle_core::backend::BackendStorage;
 use candle_core::{CpuStorage, CustomOp3, DType, Layout, Shape, Tensor};
 
 use crate::error::{Error, Result};
-use crate::kernels::cpu_tensor::CpuF32;
+use crate::kernels::cpu_tensor::{storage_f32, CpuF32};
 use crate::kernels::trainable_layer::{self, LayerShape, Saved};
 use crate::mask::AttentionMask;
 
@@ -43,24 +42,6 @@ pub(crate) fn self_attention(
         .apply_op3(&w_qkv.contiguous()?, &rest.contiguous()?, op)?)
 }
 
-/// The values of a contiguous f32 storage view.
-fn values<'a>(s: &'a CpuStorage, l: &Layout, name: &str) -> Result<&'a [f32]> {
-    let CpuStorage::F32(v) = s else {
-        return Err(Error::Kernel(format!(
-            "`{name}` must be f32 for the differentiable CPU layer, found {:?}",
-            s.dtype()
-        )));
-    };
-    match l.contiguous_offsets() {
-        Some((start, end)) if end <= v.len() => Ok(&v[start..end]),
-        _ => Err(Error::Kernel(format!(
-            "`{name}` must be contiguous, found dims {:?} strides {:?}",
-            l.dims(),
-            l.stride()
-        ))),
-    }
-}
-
 impl CustomOp3 for LayerOp {
     fn name(&self) -> &'static str {
         "candle-attention-self-attention-layer"
@@ -78,9 +59,9 @@ impl CustomOp3 for LayerOp {
         let run = || -> Result<(CpuStorage, Shape)> {
             let s = &self.shape;
             let (x, w, b) = (
-                values(s1, l1, "x")?,
-                values(s2, l2, "W_qkv")?,
-                values(s3, l3, "biases and W_O")?,
+                storage_f32(s1, l1, "x")?,
+                storage_f32(s2, l2, "W_qkv")?,
+                storage_f32(s3, l3, "biases and W_O")?,
             );
             let (y, saved) = trainable_layer::forward(s, x, w, b, self.mask.as_ref())?;
             if let Ok(mut slot) = self.saved.lock() {

@@ -10,7 +10,7 @@ use candle_core::{CpuStorage, CustomOp3, Layout, Shape, Tensor};
 
 use crate::error::{Error, Result};
 use crate::kernels;
-use crate::kernels::cpu_tensor::CpuF32;
+use crate::kernels::cpu_tensor::{storage_f32, CpuF32};
 use crate::kernels::sdpa::{PackedGrad, PackedHeads};
 use crate::mask::AttentionMask;
 
@@ -194,24 +194,6 @@ struct PackedCrossOp {
     lse: Mutex<Option<Vec<f32>>>,
 }
 
-/// The f32 values of a contiguous CPU storage view.
-fn contiguous<'a>(s: &'a CpuStorage, l: &Layout, name: &str) -> Result<&'a [f32]> {
-    let CpuStorage::F32(v) = s else {
-        return Err(Error::Kernel(format!(
-            "`{name}` must be f32 for the differentiable CPU attention, found {:?}",
-            s.dtype()
-        )));
-    };
-    match l.contiguous_offsets() {
-        Some((start, end)) if end <= v.len() => Ok(&v[start..end]),
-        _ => Err(Error::Kernel(format!(
-            "`{name}` must be contiguous, found dims {:?} strides {:?}",
-            l.dims(),
-            l.stride()
-        ))),
-    }
-}
-
 /// `t` in f32 and contiguous (a no-op for the op's own inputs and outputs).
 fn dense(t: &Tensor) -> Result<Tensor> {
     Ok(t.to_dtype(candle_core::DType::F32)?.contiguous()?)
@@ -253,8 +235,8 @@ impl candle_core::CustomOp2 for PackedCrossOp {
         l2: &Layout,
     ) -> candle_core::Result<(CpuStorage, Shape)> {
         let run = || -> Result<(CpuStorage, Shape)> {
-            let q = contiguous(s1, l1, "q")?;
-            let kv = contiguous(s2, l2, "kv")?;
+            let q = storage_f32(s1, l1, "q")?;
+            let kv = storage_f32(s2, l2, "kv")?;
             let z = self.sizes;
             let mut ctx = vec![0f32; z.batch * z.seq_q * z.heads * z.v_head_dim];
             let mut lse = vec![0f32; z.batch * z.heads * z.seq_q];

@@ -1,5 +1,6 @@
 //! Borrowing the f32 data of a CPU tensor (no copy) for the kernels.
 
+use candle_core::backend::BackendStorage;
 use candle_core::{CpuStorage, Layout, Storage, StorageRef, Tensor};
 
 use super::matrix::MatRef;
@@ -129,5 +130,23 @@ impl<'a> CpuF32<'a> {
             }
             Ok(std::borrow::Cow::Owned(v))
         }
+    }
+}
+
+/// The values of a contiguous f32 storage view (what a candle custom op's forward sees).
+pub(crate) fn storage_f32<'a>(s: &'a CpuStorage, l: &Layout, name: &str) -> Result<&'a [f32]> {
+    let CpuStorage::F32(v) = s else {
+        return Err(Error::Kernel(format!(
+            "`{name}` must be f32 for the differentiable CPU kernels, found {:?}",
+            s.dtype()
+        )));
+    };
+    match l.contiguous_offsets() {
+        Some((start, end)) if end <= v.len() => Ok(&v[start..end]),
+        _ => Err(Error::Kernel(format!(
+            "`{name}` must be contiguous, found dims {:?} strides {:?}",
+            l.dims(),
+            l.stride()
+        ))),
     }
 }

@@ -24,6 +24,54 @@ fn f32_rows(t: &Tensor) -> Result<Tensor> {
     })
 }
 
+/// Sizes of one call: `(batch, heads, kv_heads, seq_q, seq_k, d_k, d_v)`.
+type Sizes = (usize, usize, usize, usize, usize, usize, usize);
+
+/// Builds the [`Problem`] of `q`, `k`, `v` under `mask` (its plan borrowed for the call),
+/// checks it and hands it to `f`.
+fn with_problem<R>(
+    (q, k, v): (Operand<'_>, Operand<'_>, Operand<'_>),
+    (b, h, kvh, sq, sk, dk, dv): Sizes,
+    mask: Option<&AttentionMask>,
+    scale: f64,
+    f: impl FnOnce(&Problem<'_>) -> Result<R>,
+) -> Result<R> {
+    let plan = MaskPlan::new(mask, b, h, sq, sk)?;
+    let dense = plan.dense().map(|t| CpuF32::new(t, "mask")).transpose()?;
+    let problem = Problem {
+        batch: b,
+        heads: h,
+        kv_heads: kvh,
+        seq_q: sq,
+        seq_k: sk,
+        dk,
+        dv,
+        q,
+        k,
+        v,
+        scale: scale as f32,
+        mask: plan.kernel_mask(dense.as_ref())?,
+    };
+    problem.validate()?;
+    f(&problem)
+}
+
+/// The log-sum-exp slots of `rows` query rows, set to `-inf` (rows that see no key are left
+/// alone by the kernels).
+fn lse_slots(lse: Option<&mut [f32]>, rows: usize) -> Result<Option<SharedOut<'_>>> {
+    match lse {
+        Some(l) if l.len() == rows => {
+            l.fill(f32::NEG_INFINITY);
+            Ok(Some(SharedOut::new(l)))
+        }
+        Some(l) => Err(Error::Kernel(format!(
+            "{} log-sum-exp slots for {rows} query rows",
+            l.len()
+        ))),
+        None => Ok(None),
+    }
+}
+
 /// Context `(batch, heads, seq_q, d_v)` in `v`'s dtype, and the weights `(batch, heads,
 /// seq_q, seq_k)` f32 in [`WeightsMode::Return`]. Shapes were checked by the caller.
 pub(crate) fn attention(
@@ -44,24 +92,9 @@ pub(crate) fn attention(
         CpuF32::new(&k, "k")?,
         CpuF32::new(&v, "v")?,
     );
-    let plan = MaskPlan::new(mask, b, h, sq, sk)?;
-    let dense = plan.dense().map(|t| CpuF32::new(t, "mask")).transpose()?;
-    let problem = Problem {
-        batch: b,
-        heads: h,
-        kv_heads: kvh,
-        seq_q: sq,
-        seq_k: sk,
-        dk,
-        dv,
-        q: qs.operand()?,
-        k: ks.operand()?,
-        v: vs.operand()?,
-        scale: scale as f32,
-        mask: plan.kernel_mask(dense.as_ref())?,
-    };
     let mut ctx = vec![0f32; b * h * sq * dv];
-    let weights = {
+    let operands = (qs.operand()?, ks.operand()?, vs.operand()?);
+    let weights = with_problem(operands, (b, h, kvh, sq, sk, dk, dv), mask, scale, |p| {
         let out = OutOperand {
             buf: SharedOut::new(&mut ctx),
             offset: 0,
@@ -70,8 +103,8 @@ pub(crate) fn attention(
             sr: dv,
             lse: None,
         };
-        run(&problem, &out, mode)?
-    };
+        run(p, &out, mode)
+    })?;
     let context = Tensor::from_vec(ctx, (b, h, sq, dv), &Device::Cpu)?.to_dtype(out_dtype)?; // (b, h, sq, dv)
     let weights = weights
         .map(|w| Tensor::from_vec(w, (b, h, sq, sk), &Device::Cpu)) // (b, h, sq, sk)
@@ -119,49 +152,25 @@ pub(crate) fn attention_on_slices(
     let [b, h, sq, dk] = d4(q.1)?;
     let [_, kvh, sk, _] = d4(k.1)?;
     let [_, _, _, dv] = d4(v.1)?;
-    let plan = MaskPlan::new(mask, b, h, sq, sk)?;
-    let dense = plan.dense().map(|t| CpuF32::new(t, "mask")).transpose()?;
-    let problem = Problem {
-        batch: b,
-        heads: h,
-        kv_heads: kvh,
-        seq_q: sq,
-        seq_k: sk,
-        dk,
-        dv,
-        q: qo,
-        k: ko,
-        v: vo,
-        scale: scale as f32,
-        mask: plan.kernel_mask(dense.as_ref())?,
-    };
-    problem.validate()?;
     let mut ctx = vec![0f32; b * h * sq * dv];
-    let lse = match lse {
-        Some(l) if l.len() == b * h * sq => {
-            // Rows the kernel leaves alone (no key seen) must read as -inf.
-            l.fill(f32::NEG_INFINITY);
-            Some(SharedOut::new(l))
-        }
-        Some(l) => {
-            return Err(Error::Kernel(format!(
-                "{} log-sum-exp slots for {b} x {h} x {sq} rows",
-                l.len()
-            )))
-        }
-        None => None,
-    };
-    {
-        let out = OutOperand {
-            buf: SharedOut::new(&mut ctx),
-            offset: 0,
-            sb: h * sq * dv,
-            sh: sq * dv,
-            sr: dv,
-            lse,
-        };
-        run(&problem, &out, WeightsMode::Skip)?;
-    }
+    let lse = lse_slots(lse, b * h * sq)?;
+    with_problem(
+        (qo, ko, vo),
+        (b, h, kvh, sq, sk, dk, dv),
+        mask,
+        scale,
+        |p| {
+            let out = OutOperand {
+                buf: SharedOut::new(&mut ctx),
+                offset: 0,
+                sb: h * sq * dv,
+                sh: sq * dv,
+                sr: dv,
+                lse,
+            };
+            run(p, &out, WeightsMode::Skip).map(|_| ())
+        },
+    )?;
     Ok(ctx)
 }
 
@@ -192,25 +201,11 @@ pub(crate) fn attention_backward(
         CpuF32::new(&o, "o")?,
         CpuF32::new(&d_o, "d_o")?,
     );
-    let plan = MaskPlan::new(mask, b, h, sq, sk)?;
-    let dense = plan.dense().map(|t| CpuF32::new(t, "mask")).transpose()?;
-    let problem = Problem {
-        batch: b,
-        heads: h,
-        kv_heads: kvh,
-        seq_q: sq,
-        seq_k: sk,
-        dk,
-        dv,
-        q: qs.operand()?,
-        k: ks.operand()?,
-        v: vs.operand()?,
-        scale: scale as f32,
-        mask: plan.kernel_mask(dense.as_ref())?,
-    };
-    problem.validate()?;
-    let (gq, gk, gv) =
-        super::backward::attention_backward(&problem, os.operand()?, dos.operand()?, lse)?;
+    let operands = (qs.operand()?, ks.operand()?, vs.operand()?);
+    let (o, d_o) = (os.operand()?, dos.operand()?);
+    let (gq, gk, gv) = with_problem(operands, (b, h, kvh, sq, sk, dk, dv), mask, scale, |p| {
+        super::backward::attention_backward(p, o, d_o, lse)
+    })?;
     Ok((
         Tensor::from_slice(&gq, (b, h, sq, dk), &Device::Cpu)?, // (b, h, sq, dk)
         Tensor::from_slice(&gk, (b, kvh, sk, dk), &Device::Cpu)?, // (b, kvh, sk, dk)
@@ -258,24 +253,9 @@ fn with_packed_problem<R>(
             q.heads, q.width, k.heads, k.width, k.seq, v.heads, v.width, v.seq
         )));
     }
-    let plan = MaskPlan::new(mask, batch, q.heads, q.seq, k.seq)?;
-    let dense = plan.dense().map(|t| CpuF32::new(t, "mask")).transpose()?;
-    let problem = Problem {
-        batch,
-        heads: q.heads,
-        kv_heads: k.heads,
-        seq_q: q.seq,
-        seq_k: k.seq,
-        dk: q.width,
-        dv: v.width,
-        q: q.operand(),
-        k: k.operand(),
-        v: v.operand(),
-        scale: scale as f32,
-        mask: plan.kernel_mask(dense.as_ref())?,
-    };
-    problem.validate()?;
-    f(&problem)
+    let sizes = (batch, q.heads, k.heads, q.seq, k.seq, q.width, v.width);
+    let operands = (q.operand(), k.operand(), v.operand());
+    with_problem(operands, sizes, mask, scale, f)
 }
 
 /// The context of packed Q, K, V into `ctx`, `(batch * seq_q, heads * d_v)` rows with the
@@ -300,20 +280,7 @@ pub(crate) fn packed_attention_into(
         }
         // Rows that see no key are left alone by the kernels: they must read as zeros.
         ctx.fill(0.0);
-        let lse = match lse {
-            Some(l) if l.len() == batch * h * sq => {
-                // Rows the kernel leaves alone (no key seen) must read as -inf.
-                l.fill(f32::NEG_INFINITY);
-                Some(SharedOut::new(l))
-            }
-            Some(l) => {
-                return Err(Error::Kernel(format!(
-                    "{} log-sum-exp slots for {batch} x {h} x {sq} rows",
-                    l.len()
-                )))
-            }
-            None => None,
-        };
+        let lse = lse_slots(lse, batch * h * sq)?;
         let out = OutOperand {
             buf: SharedOut::new(ctx),
             offset: 0,
