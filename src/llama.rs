@@ -13,6 +13,7 @@ use serde_json::Value;
 
 use crate::config::AttentionConfig;
 use crate::error::{Error, Result};
+use crate::kernels::gemv::one_row_linear;
 use crate::kv_cache::KvCache;
 use crate::layout::WeightLayout;
 use crate::mask::AttentionMask;
@@ -164,25 +165,42 @@ impl RopeConfig {
     }
 }
 
+/// `x W^T + b`; for one input row on the CPU (a decode step) a matrix-vector product split
+/// over the threads (f32, or f16 / bf16 widened to f32), which reads the weight faster than
+/// a one-row matrix multiply.
+#[derive(Debug, Clone)]
+struct DenseLinear(Linear);
+
+impl DenseLinear {
+    /// # Shapes
+    /// - `x`: `(..., in)`; returns `(..., out)`
+    fn forward(&self, x: &Tensor) -> Result<Tensor> {
+        match one_row_linear(x, self.0.weight(), self.0.bias(), true)? {
+            Some(y) => Ok(y),
+            None => Ok(self.0.forward(x)?),
+        }
+    }
+}
+
 /// `down(silu(gate(x)) * up(x))`.
 #[derive(Debug, Clone)]
 struct Mlp {
-    gate: Linear,
-    up: Linear,
-    down: Linear,
+    gate: DenseLinear,
+    up: DenseLinear,
+    down: DenseLinear,
 }
 
 impl Mlp {
     fn load(vb: VarBuilder, cfg: &LlamaConfig) -> Result<Self> {
         let (d, i) = (cfg.hidden_size, cfg.intermediate_size);
-        let lin = |vb: VarBuilder, inp, out| -> Result<Linear> {
+        let lin = |vb: VarBuilder, inp, out| -> Result<DenseLinear> {
             let w = vb.get((out, inp), "weight")?;
             let b = if vb.contains_tensor("bias") {
                 Some(vb.get(out, "bias")?)
             } else {
                 None
             };
-            Ok(Linear::new(w, b))
+            Ok(DenseLinear(Linear::new(w, b)))
         };
         Ok(Self {
             gate: lin(vb.pp("gate_proj"), d, i)?,
@@ -193,7 +211,7 @@ impl Mlp {
 
     fn forward(&self, x: &Tensor) -> Result<Tensor> {
         let g = candle_nn::ops::silu(&self.gate.forward(x)?)?;
-        Ok(self.down.forward(&(g * self.up.forward(x)?)?)?)
+        self.down.forward(&(g * self.up.forward(x)?)?)
     }
 }
 
@@ -263,7 +281,7 @@ pub struct LlamaModel {
     layers: Vec<DecoderLayer>,
     norm: RmsNorm,
     /// `(vocab, hidden)`: the embedding matrix when tied.
-    lm_head: Linear,
+    lm_head: DenseLinear,
     rope: RotaryEmbedding,
 }
 
@@ -305,11 +323,13 @@ impl LlamaModel {
             }
         }
         let norm = candle_nn::rms_norm(d, cfg.rms_norm_eps, m.pp("norm"))?;
-        let lm_head = if cfg.tie_word_embeddings && !vb.contains_tensor("lm_head.weight") {
-            Linear::new(embed_w, None)
-        } else {
-            Linear::new(vb.pp("lm_head").get((cfg.vocab_size, d), "weight")?, None)
-        };
+        let lm_head = DenseLinear(
+            if cfg.tie_word_embeddings && !vb.contains_tensor("lm_head.weight") {
+                Linear::new(embed_w, None)
+            } else {
+                Linear::new(vb.pp("lm_head").get((cfg.vocab_size, d), "weight")?, None)
+            },
+        );
         let positions = cfg.max_position_embeddings.unwrap_or(2048).min(1 << 16);
         let rope = RotaryEmbedding::new(cfg.rope.clone(), positions, vb.device())?;
         Ok(Self {

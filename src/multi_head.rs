@@ -7,6 +7,7 @@ use crate::config::AttentionConfig;
 use crate::cost::{layer_cost, AttentionCost, LayerDims};
 use crate::dispatch::{self, Call, Route};
 use crate::error::{Error, Result};
+use crate::kernels::gemv::one_row_linear;
 use crate::kernels::trainable_layer::LayerShape;
 use crate::kernels::{self_attention, WeightsBlock, WeightsMode};
 use crate::layer_op;
@@ -713,7 +714,13 @@ impl MultiHeadSelfAttention {
                 Some(w) if x.device().is_cpu() && x.dtype() == DType::F32 && !x.track_op() => {
                     self_attention::linear_rows(&x2, w, bias.as_ref())?
                 }
-                _ => linear_in_out(&x2, &weight_t.tensor()?, bias.as_ref())?,
+                _ => {
+                    let w = weight_t.tensor()?; // (hidden, q+k+v)
+                    match one_row_linear(&x2, &w, bias.as_ref(), false)? {
+                        Some(y) => y,
+                        None => linear_in_out(&x2, &w, bias.as_ref())?,
+                    }
+                }
             },
             QkvProjection::Separate { q, k, v } => {
                 if self.kv_hidden != self.hidden {
@@ -770,7 +777,13 @@ impl MultiHeadSelfAttention {
                     {
                         self_attention::linear_rows(&ctx, w, o.bias.as_ref())?
                     }
-                    _ => linear_in_out(&ctx, &o.weight_t.tensor()?, o.bias.as_ref())?,
+                    _ => {
+                        let w = o.weight_t.tensor()?; // (h*vhd, out)
+                        match one_row_linear(&ctx, &w, o.bias.as_ref(), false)? {
+                            Some(y) => y,
+                            None => linear_in_out(&ctx, &w, o.bias.as_ref())?,
+                        }
+                    }
                 }; // (b*t, out)
                 let (_, o_out) = out.dims2()?;
                 out.reshape((b, t, o_out))? // (b, t, out)

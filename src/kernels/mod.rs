@@ -20,6 +20,7 @@
 pub(crate) mod backward;
 pub(crate) mod cpu_tensor;
 mod flash;
+pub(crate) mod gemv;
 mod mask_plan;
 mod matrix;
 mod microkernel;
