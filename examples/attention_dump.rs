@@ -1,4 +1,6 @@
-//! Who attends to whom: every layer and head of a pretrained encoder on your sentences.
+//! Who attends to whom: every layer and head of a pretrained encoder, or of a LLaMA-family
+//! decoder (`--model DIR` with `model_type` llama, mistral or qwen2: causal weights), on your
+//! sentences.
 //!
 //! ```text
 //! cargo run --release --example attention_dump -- "The animal didn't cross the street because it was too tired."
@@ -15,7 +17,11 @@ use anyhow::{bail, Context};
 use candle_attention::viz::{
     render_heatmap, render_html, AttentionDump, DumpSelection, HeatmapStyle,
 };
-use candle_attention::{parse_dtype, select_device, Model, ModelResolver};
+use candle_attention::{
+    parse_dtype, select_device, Checkpoint, EncodedText, HfConfig, LlamaConfig, LlamaModel, Model,
+    ModelFiles, ModelResolver, TextEncoder, WeightLayout,
+};
+use candle_core::{DType, Device, Tensor};
 use clap::{Parser, ValueEnum};
 
 #[derive(Copy, Clone, Debug, PartialEq, Eq, ValueEnum)]
@@ -29,7 +35,7 @@ enum Format {
 
 #[derive(Parser, Debug)]
 #[command(
-    about = "Show which token attends to which, in every layer and head of a pretrained encoder",
+    about = "Show which token attends to which, in every layer and head of a pretrained encoder or decoder",
     after_help = "attentions[l][h][i][j] is the weight query token i gives key token j in layer l, head h.\n\
                   With --words, word pieces are merged into words: a word's weight as a key is the SUM over its \
                   pieces, as a query the MEAN over its pieces (rows still sum to 1)."
@@ -124,19 +130,13 @@ fn run(args: Args) -> anyhow::Result<()> {
     let (device, device_name) = select_device(&args.device)?;
     let dtype = parse_dtype(&args.dtype)?;
     let files = ModelResolver::new().resolve(args.model.as_deref())?;
-    let model = Model::load(files, dtype, &device, args.truncate)?;
-    let cfg = &model.config;
-    if let Some(l) = args.layer.filter(|&l| l >= cfg.num_hidden_layers) {
-        bail!(
-            "--layer {l} is out of range: the model has layers 0..{}",
-            cfg.num_hidden_layers
-        );
+    let net = Network::load(files, dtype, &device, args.truncate)?;
+    let (name, layers, heads) = net.shape();
+    if let Some(l) = args.layer.filter(|&l| l >= layers) {
+        bail!("--layer {l} is out of range: the model has layers 0..{layers}");
     }
-    if let Some(h) = args.head.filter(|&h| h >= cfg.num_attention_heads) {
-        bail!(
-            "--head {h} is out of range: the model has heads 0..{}",
-            cfg.num_attention_heads
-        );
+    if let Some(h) = args.head.filter(|&h| h >= heads) {
+        bail!("--head {h} is out of range: the model has heads 0..{heads}");
     }
     let loaded = t0.elapsed();
 
@@ -154,26 +154,17 @@ fn run(args: Args) -> anyhow::Result<()> {
     let mut views = Vec::new();
     for chunk in sentences.chunks(args.batch_size) {
         let texts: Vec<&str> = chunk.iter().map(String::as_str).collect();
-        let batch = model.text.encode_batch(&texts, &device)?;
-        let out = model.encoder.forward(
-            &batch.input_ids,
-            Some(&batch.token_type_ids),
-            Some(&batch.attention_mask),
-            true,
-        )?;
-        let attentions = out
-            .attentions
-            .context("the encoder returned no attentions")?;
-        for (i, item) in batch.items.iter().enumerate() {
-            let name = &model.files.name;
-            let mut json = AttentionDump::from_batch(name, item, i, &attentions, json_select)?;
-            let mut view = AttentionDump::from_batch(name, item, i, &attentions, view_select)?;
+        for (item, index, attentions) in net.attentions(&texts, &device)? {
+            let mut json =
+                AttentionDump::from_batch(&name, &item, index, &attentions, json_select)?;
+            let mut view =
+                AttentionDump::from_batch(&name, &item, index, &attentions, view_select)?;
             if args.words {
-                json = json.into_words(item);
-                view = view.into_words(item);
+                json = json.into_words(&item);
+                view = view.into_words(&item);
             }
             json_dumps.push(json);
-            views.push((view, item.clone()));
+            views.push((view, item));
         }
     }
     let ran = t1.elapsed();
@@ -189,7 +180,7 @@ fn run(args: Args) -> anyhow::Result<()> {
         }
     }
     if let Some(path) = &args.html {
-        let title = format!("Attention, {}", model.files.name);
+        let title = format!("Attention, {name}");
         // The page gets every layer and head unless --layer/--head restrict it.
         let page = render_html(&json_dumps, &title, args.words)?;
         std::fs::write(path, page).with_context(|| format!("cannot write {}", path.display()))?;
@@ -203,12 +194,11 @@ fn run(args: Args) -> anyhow::Result<()> {
         } else {
             HeatmapStyle::Plain
         };
-        print_text(&args, &model, &views, style, &device_name)?;
+        print_text(&args, (&name, layers, heads), &views, style, &device_name)?;
         eprintln!(
-            "loaded in {:.0} ms, {} sentence(s) through {} layers in {:.0} ms",
+            "loaded in {:.0} ms, {} sentence(s) through {layers} layers in {:.0} ms",
             loaded.as_secs_f64() * 1e3,
             sentences.len(),
-            cfg.num_hidden_layers,
             ran.as_secs_f64() * 1e3
         );
     }
@@ -226,17 +216,16 @@ fn write_json_lines(mut w: impl Write, dumps: &[AttentionDump]) -> anyhow::Resul
 
 fn print_text(
     args: &Args,
-    model: &Model,
-    views: &[(AttentionDump, candle_attention::EncodedText)],
+    (name, layers, heads): (&str, usize, usize),
+    views: &[(AttentionDump, EncodedText)],
     style: HeatmapStyle,
     device_name: &str,
 ) -> anyhow::Result<()> {
-    let cfg = &model.config;
     let mut out = std::io::stdout().lock();
     writeln!(
         out,
-        "model: {} ({} layers x {} heads, {device_name}, {})",
-        model.files.name, cfg.num_hidden_layers, cfg.num_attention_heads, args.dtype
+        "model: {name} ({layers} layers x {heads} heads, {device_name}, {})",
+        args.dtype
     )?;
     for (n, (view, item)) in views.iter().enumerate() {
         writeln!(out)?;
@@ -291,4 +280,100 @@ fn print_text(
         "more: --layer L --head H picks a head, --format json dumps every layer and head, --html FILE writes an interactive page, --words merges word pieces"
     )?;
     Ok(())
+}
+
+/// The model behind the dump: a BERT-family encoder (sentences batched with padding) or a
+/// LLaMA-family decoder (each sentence alone, causal weights).
+enum Network {
+    Encoder(Model),
+    Decoder {
+        name: String,
+        model: LlamaModel,
+        text: TextEncoder,
+    },
+}
+
+impl Network {
+    fn load(
+        files: ModelFiles,
+        dtype: DType,
+        device: &Device,
+        truncate: bool,
+    ) -> anyhow::Result<Self> {
+        let hf = HfConfig::from_file(&files.config)?;
+        if hf.layout()? != WeightLayout::Llama {
+            return Ok(Self::Encoder(Model::load(files, dtype, device, truncate)?));
+        }
+        let cfg = LlamaConfig::from_file(&files.config)?;
+        let ckpt = Checkpoint::open_many(&files.weights)?;
+        let model = LlamaModel::load(ckpt.var_builder(dtype, device), &cfg)?;
+        let mut text = TextEncoder::from_file(&files.tokenizer)?;
+        if let Some(p) = cfg.max_position_embeddings {
+            text = text.with_max_positions(p)?.with_truncation(truncate)?;
+        }
+        Ok(Self::Decoder {
+            name: files.name.clone(),
+            model,
+            text,
+        })
+    }
+
+    /// (name, layers, heads)
+    fn shape(&self) -> (String, usize, usize) {
+        match self {
+            Self::Encoder(m) => (
+                m.files.name.clone(),
+                m.config.num_hidden_layers,
+                m.config.num_attention_heads,
+            ),
+            Self::Decoder { name, model, .. } => (
+                name.clone(),
+                model.num_layers(),
+                model.config().num_attention_heads,
+            ),
+        }
+    }
+
+    /// Each sentence's tokens, its index in the attentions, and the per-layer attentions
+    /// `(batch, heads, seq, seq)` it is read from.
+    fn attentions(
+        &self,
+        texts: &[&str],
+        device: &Device,
+    ) -> anyhow::Result<Vec<(EncodedText, usize, Vec<Tensor>)>> {
+        match self {
+            Self::Encoder(m) => {
+                let batch = m.text.encode_batch(texts, device)?;
+                let out = m.encoder.forward(
+                    &batch.input_ids,
+                    Some(&batch.token_type_ids),
+                    Some(&batch.attention_mask),
+                    true,
+                )?;
+                let attentions = out
+                    .attentions
+                    .context("the encoder returned no attentions")?;
+                Ok(batch
+                    .items
+                    .into_iter()
+                    .enumerate()
+                    .map(|(i, item)| (item, i, attentions.clone()))
+                    .collect())
+            }
+            Self::Decoder { model, text, .. } => texts
+                .iter()
+                .map(|t| {
+                    let mut item = text.encode(t)?;
+                    let ids = Tensor::new(item.ids.as_slice(), device)?.unsqueeze(0)?; // (1, seq)
+                                                                                       // Decoders park spare weight on the first token (an attention sink):
+                                                                                       // like [CLS] in an encoder, it does not count when picking a head.
+                    if let Some(first) = item.special.first_mut() {
+                        *first = true;
+                    }
+                    let attentions = model.attentions(&ids)?;
+                    Ok((item, 0, attentions))
+                })
+                .collect(),
+        }
+    }
 }

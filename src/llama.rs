@@ -227,7 +227,14 @@ struct DecoderLayer {
 
 impl DecoderLayer {
     /// `x` `(batch, seq, hidden)` at positions `cache.len()..`; the cache grows by `seq`.
-    fn forward(&self, x: &Tensor, rope: &RotaryEmbedding, cache: &mut KvCache) -> Result<Tensor> {
+    /// With `need_weights`, also the attention weights `(batch, heads, seq, keys)`.
+    fn forward(
+        &self,
+        x: &Tensor,
+        rope: &RotaryEmbedding,
+        cache: &mut KvCache,
+        need_weights: bool,
+    ) -> Result<(Tensor, Option<Tensor>)> {
         let (_, t, _) = x.dims3()?;
         let offset = cache.len();
         let h = self.input_norm.forward(x)?;
@@ -259,17 +266,14 @@ impl DecoderLayer {
                 Some(AttentionMask::causal_with_offset(offset)),
             ),
         };
-        let ctx = scaled_dot_product_attention(
-            &q,
-            &k_all,
-            &v_all,
-            mask.as_ref(),
-            SdpaOptions::default(),
-        )?
-        .context; // (b, h, t, vhd)
-        let x = (x + self.attn.merge_heads(&ctx)?)?;
+        let opts = SdpaOptions {
+            scale: None,
+            need_weights,
+        };
+        let out = scaled_dot_product_attention(&q, &k_all, &v_all, mask.as_ref(), opts)?;
+        let x = (x + self.attn.merge_heads(&out.context)?)?; // context (b, h, t, vhd)
         let m = self.mlp.forward(&self.post_norm.forward(&x)?)?;
-        Ok((x + m)?)
+        Ok(((x + m)?, out.weights))
     }
 }
 
@@ -402,9 +406,39 @@ impl LlamaModel {
         }
         let mut x = self.embed.forward(ids)?; // (b, t, hidden)
         for (layer, cache) in self.layers.iter().zip(caches.iter_mut()) {
-            x = layer.forward(&x, &self.rope, cache)?;
+            x = layer.forward(&x, &self.rope, cache, false)?.0;
         }
         Ok(self.norm.forward(&x)?)
+    }
+
+    /// Every layer's attention weights over `ids` (a fresh prompt, causal, and within the
+    /// sliding window where the model has one).
+    ///
+    /// # Shapes
+    /// - `ids`: `(batch, seq)`; returns one `(batch, heads, seq, seq)` f32 tensor per layer
+    pub fn attentions(&self, ids: &Tensor) -> Result<Vec<Tensor>> {
+        let (_, t) = ids.dims2()?;
+        if t == 0 {
+            return Err(Error::input(
+                "ids",
+                "at least one token",
+                "an empty sequence",
+            ));
+        }
+        let mut caches = self.new_caches(t);
+        let mut x = self.embed.forward(ids)?; // (b, t, hidden)
+        let mut out = Vec::with_capacity(self.layers.len());
+        for (layer, cache) in self.layers.iter().zip(caches.iter_mut()) {
+            let (next, w) = layer.forward(&x, &self.rope, cache, true)?;
+            x = next;
+            out.push(w.ok_or_else(|| Error::Kernel("no attention weights returned".into()))?);
+        }
+        Ok(out)
+    }
+
+    /// Number of decoder layers.
+    pub fn num_layers(&self) -> usize {
+        self.layers.len()
     }
 }
 

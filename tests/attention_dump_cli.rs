@@ -1053,3 +1053,88 @@ fn piece_groups_follow_double_hash_pieces() {
         .collect();
     assert_eq!(piece_groups(&t), vec![0..1, 1..5, 5..6, 6..7]);
 }
+
+/// A LLaMA-family decoder (`model_type` llama / mistral): every layer and head, causal
+/// weights (and zero outside Mistral's sliding window), rows summing to 1, equal to the
+/// library's `LlamaModel::attentions`. The tiny fixtures get a word-level tokenizer.
+#[test]
+fn decoders_dump_causal_attentions() -> anyhow::Result<()> {
+    use candle_attention::LlamaModel;
+    let sentence = "the cat sat on the mat because the dog ran to it and it was tired";
+    for (case, window) in [("llama_gqa", None), ("mistral_window", Some(5usize))] {
+        let dir = common::TempDir::new(&format!("dump-{case}"))?;
+        let src = common::repo_path(&format!("tests/fixtures/decoders/{case}"));
+        for f in ["config.json", "model.safetensors"] {
+            std::fs::copy(src.join(f), dir.file(f))?;
+        }
+        std::fs::copy(
+            common::repo_path("tests/fixtures/decoders/wordlevel_tokenizer.json"),
+            dir.file("tokenizer.json"),
+        )?;
+        let out = std::process::Command::new(common::example_bin("attention_dump")?)
+            .args([
+                "--model",
+                dir.0.to_str().unwrap_or_default(),
+                "--format",
+                "json",
+                sentence,
+            ])
+            .output()?;
+        anyhow::ensure!(
+            out.status.success(),
+            "{case}: {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        let obj: serde_json::Value = serde_json::from_str(String::from_utf8(out.stdout)?.trim())?;
+        let n = sentence.split(' ').count();
+        assert_eq!(obj["shape"], serde_json::json!([2, 4, n, n]), "{case}");
+        let model =
+            LlamaModel::from_dir(&dir.0, candle_core::DType::F32, &candle_core::Device::Cpu)?;
+        let ids: Vec<u32> = obj["tokens"]
+            .as_array()
+            .into_iter()
+            .flatten()
+            .map(|t| {
+                let t = t.as_str().unwrap_or_default();
+                [
+                    "the", "cat", "sat", "on", "mat", "and", "a", "dog", "ran", "to", "it", "was",
+                    "tired", "because", "street", "cross",
+                ]
+                .iter()
+                .position(|w| *w == t)
+                .map_or(0, |p| p as u32 + 1)
+            })
+            .collect();
+        let want = model.attentions(
+            &candle_core::Tensor::new(ids.as_slice(), &candle_core::Device::Cpu)?.unsqueeze(0)?,
+        )?;
+        for l in 0..2 {
+            let want: Vec<Vec<Vec<f32>>> = want[l].squeeze(0)?.to_vec3()?;
+            for h in 0..4 {
+                for i in 0..n {
+                    let row: Vec<f64> = obj["attentions"][l][h][i]
+                        .as_array()
+                        .into_iter()
+                        .flatten()
+                        .filter_map(|v| v.as_f64())
+                        .collect();
+                    assert!(
+                        (row.iter().sum::<f64>() - 1.0).abs() < 1e-5,
+                        "{case} {l} {h} {i}"
+                    );
+                    for (j, &w) in row.iter().enumerate() {
+                        let hidden = j > i || window.is_some_and(|win| j + win <= i);
+                        if hidden {
+                            assert_eq!(w, 0.0, "{case} layer {l} head {h}: {i} -> {j}");
+                        }
+                        assert!(
+                            (w - want[h][i][j] as f64).abs() < 1e-6,
+                            "{case}: equals the library"
+                        );
+                    }
+                }
+            }
+        }
+    }
+    Ok(())
+}
