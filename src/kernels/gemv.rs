@@ -14,11 +14,36 @@ const LANES: usize = 16;
 /// Outputs per task: enough work to amortise a task, few enough to spread over threads.
 const ROWS_PER_TASK: usize = 256;
 
-/// `y[j] = dot(W[j], x) + b[j]` for `W` `(out, in)` row-major.
+/// A weight element the kernels widen to f32 as they read it (f32 sums).
+pub(crate) trait Widen: Copy + Send + Sync {
+    fn widen(self) -> f32;
+}
+
+impl Widen for f32 {
+    #[inline(always)]
+    fn widen(self) -> f32 {
+        self
+    }
+}
+
+impl Widen for half::bf16 {
+    /// bf16 is the top half of an f32: widening is a shift.
+    #[inline(always)]
+    fn widen(self) -> f32 {
+        f32::from_bits(u32::from(self.to_bits()) << 16)
+    }
+}
+
+/// `y[j] = dot(W[j], x) + b[j]` for `W` `(out, in)` row-major, f32 or bf16.
 ///
 /// # Shapes
 /// - `w`: `out * in` values, `x`: `in`, `bias`: `out`, `y`: `out`
-pub(crate) fn gemv(w: &[f32], x: &[f32], bias: Option<&[f32]>, y: &mut [f32]) -> Result<()> {
+pub(crate) fn gemv<T: Widen>(
+    w: &[T],
+    x: &[f32],
+    bias: Option<&[f32]>,
+    y: &mut [f32],
+) -> Result<()> {
     let (out, inp) = (y.len(), x.len());
     if w.len() != out * inp || bias.is_some_and(|b| b.len() != out) {
         return Err(Error::Kernel(format!(
@@ -29,8 +54,7 @@ pub(crate) fn gemv(w: &[f32], x: &[f32], bias: Option<&[f32]>, y: &mut [f32]) ->
     let work = |(c, ys): (usize, &mut [f32])| {
         for (r, yv) in ys.iter_mut().enumerate() {
             let j = c * ROWS_PER_TASK + r;
-            let row = &w[j * inp..(j + 1) * inp];
-            *yv = dot(row, x) + bias.map_or(0.0, |b| b[j]);
+            *yv = dot(&w[j * inp..(j + 1) * inp], x) + bias.map_or(0.0, |b| b[j]);
         }
     };
     if out * inp < 1 << 16 {
@@ -42,16 +66,16 @@ pub(crate) fn gemv(w: &[f32], x: &[f32], bias: Option<&[f32]>, y: &mut [f32]) ->
 }
 
 /// `sum a[i] b[i]`, with the widest vectors the CPU has.
-fn dot(a: &[f32], b: &[f32]) -> f32 {
+fn dot<T: Widen>(a: &[T], b: &[f32]) -> f32 {
     #[cfg(target_arch = "x86_64")]
     {
         let (avx512, avx2) = wide_vectors();
         if avx512 {
-            // SAFETY: the CPU has AVX-512F (checked above).
+            // SAFETY: the CPU has AVX-512F (checked by `wide_vectors`).
             return unsafe { dot_avx512(a, b) };
         }
         if avx2 {
-            // SAFETY: the CPU has AVX2 (checked above).
+            // SAFETY: the CPU has AVX2 (checked by `wide_vectors`).
             return unsafe { dot_avx2(a, b) };
         }
     }
@@ -74,169 +98,43 @@ fn wide_vectors() -> (bool, bool) {
 /// [`dot_lanes`] compiled for AVX-512.
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx512f")]
-unsafe fn dot_avx512(a: &[f32], b: &[f32]) -> f32 {
+unsafe fn dot_avx512<T: Widen>(a: &[T], b: &[f32]) -> f32 {
     dot_lanes(a, b)
 }
 
 /// [`dot_lanes`] compiled for AVX2.
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx2")]
-unsafe fn dot_avx2(a: &[f32], b: &[f32]) -> f32 {
+unsafe fn dot_avx2<T: Widen>(a: &[T], b: &[f32]) -> f32 {
     dot_lanes(a, b)
 }
 
 /// `sum a[i] b[i]` in [`LANES`] lanes (vectorised by the compiler), then the tail.
 #[inline(always)]
-fn dot_lanes(a: &[f32], b: &[f32]) -> f32 {
+fn dot_lanes<T: Widen>(a: &[T], b: &[f32]) -> f32 {
     let mut acc = [0f32; LANES];
     let (ca, cb) = (a.chunks_exact(LANES), b.chunks_exact(LANES));
     let tail: f32 = ca
         .remainder()
         .iter()
         .zip(cb.remainder())
-        .map(|(x, y)| x * y)
+        .map(|(x, y)| x.widen() * y)
         .sum();
     for (x, y) in ca.zip(cb) {
         for k in 0..LANES {
-            acc[k] += x[k] * y[k];
+            acc[k] += x[k].widen() * y[k];
         }
     }
     acc.iter().sum::<f32>() + tail
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn equals_the_definition() -> Result<()> {
-        for (out, inp) in [(3, 5), (300, 37), (1000, 576)] {
-            let w: Vec<f32> = (0..out * inp)
-                .map(|i| ((i * 31 % 17) as f32 - 8.0) / 9.0)
-                .collect();
-            let x: Vec<f32> = (0..inp)
-                .map(|i| ((i * 7 % 11) as f32 - 5.0) / 4.0)
-                .collect();
-            let b: Vec<f32> = (0..out).map(|i| i as f32 / 100.0).collect();
-            let mut y = vec![f32::NAN; out];
-            gemv(&w, &x, Some(&b), &mut y)?;
-            for j in 0..out {
-                let want: f64 = (0..inp)
-                    .map(|i| w[j * inp + i] as f64 * x[i] as f64)
-                    .sum::<f64>()
-                    + b[j] as f64;
-                assert!(
-                    (y[j] as f64 - want).abs() < 1e-4 * (1.0 + want.abs()),
-                    "{out}x{inp} row {j}"
-                );
-            }
-        }
-        Ok(())
-    }
-}
-
-/// Weights narrower than f32 that the kernels widen as they read them (f32 accumulation).
-pub(crate) trait HalfWeight: Copy + Send + Sync {
-    /// `sum w[i] x[i]`.
-    fn dot(w: &[Self], x: &[f32]) -> f32;
-    /// `dst[i] = w[i]` widened.
-    fn widen(src: &[Self], dst: &mut [f32]);
-}
-
-impl HalfWeight for half::bf16 {
-    fn dot(w: &[Self], x: &[f32]) -> f32 {
-        #[cfg(target_arch = "x86_64")]
-        {
-            let (avx512, avx2) = wide_vectors();
-            if avx512 {
-                // SAFETY: the CPU has AVX-512F (checked by `wide_vectors`).
-                return unsafe { dot_bf16_avx512(w, x) };
-            }
-            if avx2 {
-                // SAFETY: the CPU has AVX2 (checked by `wide_vectors`).
-                return unsafe { dot_bf16_avx2(w, x) };
-            }
-        }
-        dot_bf16_lanes(w, x)
-    }
-    fn widen(src: &[Self], dst: &mut [f32]) {
-        for (d, s) in dst.iter_mut().zip(src) {
-            *d = bf16_to_f32(*s);
-        }
-    }
-}
-
-/// bf16 is the top half of an f32: widening is a shift.
-#[inline(always)]
-fn bf16_to_f32(v: half::bf16) -> f32 {
-    f32::from_bits(u32::from(v.to_bits()) << 16)
-}
-
-/// [`dot_bf16_lanes`] compiled for AVX-512.
-#[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx512f")]
-unsafe fn dot_bf16_avx512(a: &[half::bf16], b: &[f32]) -> f32 {
-    dot_bf16_lanes(a, b)
-}
-
-/// [`dot_bf16_lanes`] compiled for AVX2.
-#[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx2")]
-unsafe fn dot_bf16_avx2(a: &[half::bf16], b: &[f32]) -> f32 {
-    dot_bf16_lanes(a, b)
-}
-
-/// `sum a[i] b[i]` with `a` widened from bf16, in [`LANES`] lanes.
-#[inline(always)]
-fn dot_bf16_lanes(a: &[half::bf16], b: &[f32]) -> f32 {
-    let mut acc = [0f32; LANES];
-    let (ca, cb) = (a.chunks_exact(LANES), b.chunks_exact(LANES));
-    let tail: f32 = ca
-        .remainder()
-        .iter()
-        .zip(cb.remainder())
-        .map(|(x, y)| bf16_to_f32(*x) * y)
-        .sum();
-    for (x, y) in ca.zip(cb) {
-        for k in 0..LANES {
-            acc[k] += bf16_to_f32(x[k]) * y[k];
-        }
-    }
-    acc.iter().sum::<f32>() + tail
-}
-
-/// [`gemv`] for bf16 weights `(out, in)` row-major, widened as they are read, summed in f32.
-pub(crate) fn gemv_half<T: HalfWeight>(
-    w: &[T],
-    x: &[f32],
-    bias: Option<&[f32]>,
-    y: &mut [f32],
-) -> Result<()> {
-    let (out, inp) = (y.len(), x.len());
-    if w.len() != out * inp || bias.is_some_and(|b| b.len() != out) {
-        return Err(Error::Kernel(format!(
-            "gemv of {} weights by {inp} inputs into {out} outputs",
-            w.len()
-        )));
-    }
-    let work = |(c, ys): (usize, &mut [f32])| {
-        for (r, yv) in ys.iter_mut().enumerate() {
-            let j = c * ROWS_PER_TASK + r;
-            *yv = T::dot(&w[j * inp..(j + 1) * inp], x) + bias.map_or(0.0, |b| b[j]);
-        }
-    };
-    y.par_chunks_mut(ROWS_PER_TASK).enumerate().for_each(work);
-    Ok(())
 }
 
 /// `y = x W + b` for weights stored `(in, out)` row-major (the transposed form), f32 or
-/// half: each task owns a block of output columns and adds `x[k] W[k, block]` over `k`.
-pub(crate) fn gemv_t<T: Copy + Send + Sync>(
+/// bf16: each task owns a block of output columns and adds `x[k] W[k, block]` over `k`.
+pub(crate) fn gemv_t<T: Widen>(
     w: &[T],
     x: &[f32],
     bias: Option<&[f32]>,
     y: &mut [f32],
-    widen: fn(&[T], &mut [f32]),
 ) -> Result<()> {
     let (out, inp) = (y.len(), x.len());
     if w.len() != out * inp || bias.is_some_and(|b| b.len() != out) {
@@ -253,67 +151,13 @@ pub(crate) fn gemv_t<T: Copy + Send + Sync>(
             Some(b) => ys.copy_from_slice(&b[j0..j0 + n]),
             None => ys.fill(0.0),
         }
-        let mut buf = [0f32; COLS];
         for (k, &xk) in x.iter().enumerate() {
-            let wide = &mut buf[..n];
-            widen(&w[k * out + j0..k * out + j0 + n], wide);
-            for (yv, wv) in ys.iter_mut().zip(wide.iter()) {
-                *yv += xk * wv;
+            for (yv, wv) in ys.iter_mut().zip(&w[k * out + j0..k * out + j0 + n]) {
+                *yv += xk * wv.widen();
             }
         }
     });
     Ok(())
-}
-
-/// [`gemv_t`]'s widening for f32 weights (a copy).
-pub(crate) fn widen_f32(src: &[f32], dst: &mut [f32]) {
-    dst.copy_from_slice(src);
-}
-
-/// [`gemv_t`]'s widening for bf16 weights.
-pub(crate) fn widen_half<T: HalfWeight>(src: &[T], dst: &mut [f32]) {
-    T::widen(src, dst);
-}
-
-#[cfg(test)]
-mod half_tests {
-    use super::*;
-
-    #[test]
-    fn bf16_and_transposed_forms_equal_the_f32_one() -> Result<()> {
-        let (out, inp) = (700, 600);
-        let w: Vec<f32> = (0..out * inp)
-            .map(|i| ((i * 31 % 17) as f32 - 8.0) / 8.0)
-            .collect();
-        let x: Vec<f32> = (0..inp)
-            .map(|i| ((i * 7 % 11) as f32 - 5.0) / 4.0)
-            .collect();
-        let b: Vec<f32> = (0..out).map(|i| i as f32 / 64.0).collect();
-        let mut want = vec![0f32; out];
-        gemv(&w, &x, Some(&b), &mut want)?;
-        // Exactly representable in both half formats (multiples of 1/8 up to 1).
-        let wb: Vec<half::bf16> = w.iter().map(|&v| half::bf16::from_f32(v)).collect();
-        let mut wt = vec![0f32; out * inp];
-        for j in 0..out {
-            for k in 0..inp {
-                wt[k * out + j] = w[j * inp + k];
-            }
-        }
-        let mut got = vec![f32::NAN; out];
-        let close = |got: &[f32], what: &str| {
-            for (g, w) in got.iter().zip(&want) {
-                assert!((g - w).abs() < 1e-3 * (1.0 + w.abs()), "{what}: {g} vs {w}");
-            }
-        };
-        gemv_half(&wb, &x, Some(&b), &mut got)?;
-        close(&got, "bf16 rows");
-        gemv_t(&wt, &x, Some(&b), &mut got, widen_f32)?;
-        close(&got, "f32 transposed");
-        let wtb: Vec<half::bf16> = wt.iter().map(|&v| half::bf16::from_f32(v)).collect();
-        gemv_t(&wtb, &x, Some(&b), &mut got, widen_half)?;
-        close(&got, "bf16 transposed");
-        Ok(())
-    }
 }
 
 /// `x W^T + b` for `W` `(out, in)` (`rows`) or `x W + b` for `W` `(in, out)`, on the
@@ -353,13 +197,9 @@ pub(crate) fn one_row_linear(
         };
         match (&*guard, rows) {
             (Storage::Cpu(CpuStorage::F32(v)), true) => gemv(&v[s..e], &xs, bs, &mut y)?,
-            (Storage::Cpu(CpuStorage::F32(v)), false) => {
-                gemv_t(&v[s..e], &xs, bs, &mut y, widen_f32)?
-            }
-            (Storage::Cpu(CpuStorage::BF16(v)), true) => gemv_half(&v[s..e], &xs, bs, &mut y)?,
-            (Storage::Cpu(CpuStorage::BF16(v)), false) => {
-                gemv_t(&v[s..e], &xs, bs, &mut y, widen_half)?
-            }
+            (Storage::Cpu(CpuStorage::F32(v)), false) => gemv_t(&v[s..e], &xs, bs, &mut y)?,
+            (Storage::Cpu(CpuStorage::BF16(v)), true) => gemv(&v[s..e], &xs, bs, &mut y)?,
+            (Storage::Cpu(CpuStorage::BF16(v)), false) => gemv_t(&v[s..e], &xs, bs, &mut y)?,
             _ => return Ok(None),
         }
     }
@@ -370,4 +210,71 @@ pub(crate) fn one_row_linear(
     Ok(Some(
         Tensor::from_vec(y, shape, x.device())?.to_dtype(x.dtype())?,
     ))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn equals_the_definition() -> Result<()> {
+        for (out, inp) in [(3, 5), (300, 37), (1000, 576)] {
+            let w: Vec<f32> = (0..out * inp)
+                .map(|i| ((i * 31 % 17) as f32 - 8.0) / 9.0)
+                .collect();
+            let x: Vec<f32> = (0..inp)
+                .map(|i| ((i * 7 % 11) as f32 - 5.0) / 4.0)
+                .collect();
+            let b: Vec<f32> = (0..out).map(|i| i as f32 / 100.0).collect();
+            let mut y = vec![f32::NAN; out];
+            gemv(&w, &x, Some(&b), &mut y)?;
+            for j in 0..out {
+                let want: f64 = (0..inp)
+                    .map(|i| w[j * inp + i] as f64 * x[i] as f64)
+                    .sum::<f64>()
+                    + b[j] as f64;
+                assert!(
+                    (y[j] as f64 - want).abs() < 1e-4 * (1.0 + want.abs()),
+                    "{out}x{inp} row {j}"
+                );
+            }
+        }
+        Ok(())
+    }
+
+    #[test]
+    fn bf16_and_transposed_forms_equal_the_f32_one() -> Result<()> {
+        let (out, inp) = (700, 600);
+        let w: Vec<f32> = (0..out * inp)
+            .map(|i| ((i * 31 % 17) as f32 - 8.0) / 8.0)
+            .collect();
+        let x: Vec<f32> = (0..inp)
+            .map(|i| ((i * 7 % 11) as f32 - 5.0) / 4.0)
+            .collect();
+        let b: Vec<f32> = (0..out).map(|i| i as f32 / 64.0).collect();
+        let mut want = vec![0f32; out];
+        gemv(&w, &x, Some(&b), &mut want)?;
+        // Exactly representable in both half formats (multiples of 1/8 up to 1).
+        let wb: Vec<half::bf16> = w.iter().map(|&v| half::bf16::from_f32(v)).collect();
+        let mut wt = vec![0f32; out * inp];
+        for j in 0..out {
+            for k in 0..inp {
+                wt[k * out + j] = w[j * inp + k];
+            }
+        }
+        let mut got = vec![f32::NAN; out];
+        let close = |got: &[f32], what: &str| {
+            for (g, w) in got.iter().zip(&want) {
+                assert!((g - w).abs() < 1e-3 * (1.0 + w.abs()), "{what}: {g} vs {w}");
+            }
+        };
+        gemv(&wb, &x, Some(&b), &mut got)?;
+        close(&got, "bf16 rows");
+        gemv_t(&wt, &x, Some(&b), &mut got)?;
+        close(&got, "f32 transposed");
+        let wtb: Vec<half::bf16> = wt.iter().map(|&v| half::bf16::from_f32(v)).collect();
+        gemv_t(&wtb, &x, Some(&b), &mut got)?;
+        close(&got, "bf16 transposed");
+        Ok(())
+    }
 }
