@@ -173,3 +173,36 @@ fn smollm2_greedy_ids_equal_transformers() -> anyhow::Result<()> {
     }
     Ok(())
 }
+
+/// Half precision runs the same decoder (bf16 through the one-row matrix-vector kernels,
+/// f16 through candle's product): the logits of a prefill and of decode steps stay within
+/// the rounding of the format of the f32 ones.
+#[test]
+fn half_precision_decoding_follows_f32() -> anyhow::Result<()> {
+    let dev = Device::Cpu;
+    let dir = repo_path("tests/fixtures/decoders/qwen2_tied");
+    let run = |dtype: DType| -> anyhow::Result<Tensor> {
+        let model = LlamaModel::from_dir(&dir, dtype, &dev)?;
+        let mut caches = model.new_caches(8);
+        let prompt = [1u32, 17, 42, 5, 99, 3];
+        let mut rows = vec![model
+            .forward(&Tensor::new(&prompt[..], &dev)?.unsqueeze(0)?, &mut caches)?
+            .squeeze(0)?];
+        for t in [7u32, 8, 9] {
+            rows.push(
+                model
+                    .forward(&Tensor::new(&[t], &dev)?.unsqueeze(0)?, &mut caches)?
+                    .squeeze(0)?,
+            );
+        }
+        Ok(Tensor::cat(&rows, 0)?)
+    };
+    let full = run(DType::F32)?;
+    for (dtype, tol) in [(DType::BF16, 0.1f32), (DType::F16, 0.02)] {
+        let half = run(dtype)?;
+        assert!(!common::has_non_finite(&half)?);
+        let d = max_abs_diff(&half, &full)?;
+        assert!(d <= tol * largest(&full)?, "{dtype:?}: logits off by {d:e}");
+    }
+    Ok(())
+}
