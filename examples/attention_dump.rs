@@ -15,7 +15,7 @@ use std::time::Instant;
 
 use anyhow::{bail, Context};
 use candle_attention::viz::{
-    render_heatmap, render_html, AttentionDump, DumpSelection, HeatmapStyle,
+    render_heatmap, render_html_grouped, AttentionDump, DumpSelection, HeatmapStyle,
 };
 use candle_attention::{
     parse_dtype, select_device, Checkpoint, EncodedText, HfConfig, LlamaConfig, LlamaModel, Model,
@@ -182,7 +182,7 @@ fn run(args: Args) -> anyhow::Result<()> {
     if let Some(path) = &args.html {
         let title = format!("Attention, {name}");
         // The page gets every layer and head unless --layer/--head restrict it.
-        let page = render_html(&json_dumps, &title, args.words)?;
+        let page = render_html_grouped(&json_dumps, &title, args.words, net.kv_group())?;
         std::fs::write(path, page).with_context(|| format!("cannot write {}", path.display()))?;
     }
     if args.format == Format::Text {
@@ -316,6 +316,20 @@ impl Network {
             model,
             text,
         })
+    }
+
+    /// Query heads per key/value head (1 for an encoder).
+    fn kv_group(&self) -> usize {
+        match self {
+            Self::Encoder(_) => 1,
+            Self::Decoder { model, .. } => {
+                let c = model.config();
+                c.num_attention_heads
+                    / c.num_key_value_heads
+                        .unwrap_or(c.num_attention_heads)
+                        .max(1)
+            }
+        }
     }
 
     /// (name, layers, heads)

@@ -1071,12 +1071,15 @@ fn decoders_dump_causal_attentions() -> anyhow::Result<()> {
             common::repo_path("tests/fixtures/decoders/wordlevel_tokenizer.json"),
             dir.file("tokenizer.json"),
         )?;
+        let page = dir.file("view.html");
         let out = std::process::Command::new(common::example_bin("attention_dump")?)
             .args([
                 "--model",
                 dir.0.to_str().unwrap_or_default(),
                 "--format",
                 "json",
+                "--html",
+                page.to_str().unwrap_or_default(),
                 sentence,
             ])
             .output()?;
@@ -1086,6 +1089,12 @@ fn decoders_dump_causal_attentions() -> anyhow::Result<()> {
             String::from_utf8_lossy(&out.stderr)
         );
         let obj: serde_json::Value = serde_json::from_str(String::from_utf8(out.stdout)?.trim())?;
+        // Both fixtures have 4 query heads over 2 K/V heads: the page groups them by two.
+        let html = std::fs::read_to_string(&page)?;
+        assert!(
+            html.contains("\"kv_group\":2"),
+            "{case}: the page's K/V groups"
+        );
         let n = sentence.split(' ').count();
         assert_eq!(obj["shape"], serde_json::json!([2, 4, n, n]), "{case}");
         let model =

@@ -24,10 +24,23 @@ struct PageSentence<'a> {
 struct PageMeta<'a> {
     title: &'a str,
     words: bool,
+    /// Query heads per key/value head (grouped-K/V decoders); 1 otherwise.
+    kv_group: usize,
 }
 
 /// One HTML page showing every dump (a sentence selector when there are several).
 pub fn render_html(dumps: &[AttentionDump], title: &str, words: bool) -> Result<String> {
+    render_html_grouped(dumps, title, words, 1)
+}
+
+/// [`render_html`] for a model whose query heads share key/value heads `kv_group` at a
+/// time: each group's heads side by side, behind a label that selects the group.
+pub fn render_html_grouped(
+    dumps: &[AttentionDump],
+    title: &str,
+    words: bool,
+    kv_group: usize,
+) -> Result<String> {
     let data: Vec<PageSentence> = dumps
         .iter()
         .map(|d| PageSentence {
@@ -41,7 +54,11 @@ pub fn render_html(dumps: &[AttentionDump], title: &str, words: bool) -> Result<
         })
         .collect();
     let data = script_json(&data)?;
-    let meta = script_json(&PageMeta { title, words })?;
+    let meta = script_json(&PageMeta {
+        title,
+        words,
+        kv_group: kv_group.max(1),
+    })?;
     Ok(TEMPLATE
         .replacen(DATA_SLOT, &data, 1)
         .replacen(META_SLOT, &meta, 1))
@@ -72,8 +89,11 @@ mod tests {
             layer_ids: vec![0],
             head_ids: vec![0],
         };
-        let page = render_html(&[dump], "t", false)?;
+        let page = render_html(std::slice::from_ref(&dump), "t", false)?;
         assert!(!page.contains(DATA_SLOT) && !page.contains(META_SLOT));
+        assert!(page.contains("\"kv_group\":1"));
+        let grouped = render_html_grouped(&[dump], "t", false, 3)?;
+        assert!(grouped.contains("\"kv_group\":3"));
         assert!(!page.contains("</script><b>"));
         assert!(page.contains("\\u003c/script\\u003e"));
         Ok(())

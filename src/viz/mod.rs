@@ -8,5 +8,5 @@ mod words;
 
 pub use dump::{AttentionDump, DumpSelection};
 pub use heatmap::{render_heatmap, HeatmapStyle};
-pub use html::render_html;
+pub use html::{render_html, render_html_grouped};
 pub use words::{word_groups, WordGroup};
