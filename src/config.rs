@@ -232,23 +232,12 @@ pub struct HfConfig {
 impl HfConfig {
     /// Reads and validates a `config.json`.
     pub fn from_file(path: impl AsRef<Path>) -> Result<Self> {
-        let path = path.as_ref();
-        let text = std::fs::read_to_string(path).map_err(|cause| Error::Io {
-            path: path.to_path_buf(),
-            cause,
-        })?;
-        let cfg: HfConfig = serde_json::from_str(&text).map_err(|e| Error::Config {
-            path: Some(path.to_path_buf()),
-            message: describe_json_error(&text, &e),
-        })?;
-        cfg.validate().map_err(|e| match e {
-            Error::Config { message, .. } => Error::Config {
-                path: Some(path.to_path_buf()),
-                message,
-            },
-            other => other,
-        })?;
-        Ok(cfg)
+        read_config_file(path.as_ref(), |text| {
+            let cfg: HfConfig = serde_json::from_str(text)
+                .map_err(|e| Error::config(describe_json_error(text, &e)))?;
+            cfg.validate()?;
+            Ok(cfg)
+        })
     }
 
     /// Checks that sizes are positive and heads divide the hidden size.
@@ -304,6 +293,21 @@ impl HfConfig {
             ))),
         }
     }
+}
+
+/// Reads a `config.json` and parses it with `parse`; configuration errors name the file.
+pub(crate) fn read_config_file<T>(path: &Path, parse: impl FnOnce(&str) -> Result<T>) -> Result<T> {
+    let text = std::fs::read_to_string(path).map_err(|cause| Error::Io {
+        path: path.to_path_buf(),
+        cause,
+    })?;
+    parse(&text).map_err(|e| match e {
+        Error::Config { message, .. } => Error::Config {
+            path: Some(path.to_path_buf()),
+            message,
+        },
+        other => other,
+    })
 }
 
 /// serde's message for a value of the wrong type or range does not say which field holds

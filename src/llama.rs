@@ -11,7 +11,7 @@ use candle_nn::{Embedding, Linear, RmsNorm, VarBuilder};
 use serde::Deserialize;
 use serde_json::Value;
 
-use crate::config::AttentionConfig;
+use crate::config::{read_config_file, AttentionConfig};
 use crate::error::{Error, Result};
 use crate::kernels::gemv::one_row_linear;
 use crate::kv_cache::KvCache;
@@ -78,18 +78,7 @@ pub struct LlamaConfig {
 impl LlamaConfig {
     /// Reads and checks a `config.json`.
     pub fn from_file(path: impl AsRef<Path>) -> Result<Self> {
-        let path = path.as_ref();
-        let text = std::fs::read_to_string(path).map_err(|cause| Error::Io {
-            path: path.to_path_buf(),
-            cause,
-        })?;
-        Self::from_json(&text).map_err(|e| match e {
-            Error::Config { message, .. } => Error::Config {
-                path: Some(path.to_path_buf()),
-                message,
-            },
-            other => other,
-        })
+        read_config_file(path.as_ref(), Self::from_json)
     }
 
     /// Parses and checks the text of a `config.json`.

@@ -105,51 +105,40 @@ fn stops_at_the_eos_token_unless_told_not_to() -> anyhow::Result<()> {
     // it is searched for among short prompts, then generation must stop right after it.
     let model = repo_path("tests/fixtures/decoders/llama_gqa");
     let model = model.to_str().unwrap_or_default();
-    let mut seen = false;
-    for first in 3..60u32 {
-        let prompt = format!("1,{first},{}", (first * 7) % 120 + 3);
-        let out = run(&[
+    // The generated ids of a 40-token run, with `extra` flags.
+    let ids = |prompt: &str, extra: &[&str]| -> anyhow::Result<Vec<i64>> {
+        let mut args = vec![
             "--model",
             model,
             "--prompt-ids",
-            &prompt,
+            prompt,
             "--max-new-tokens",
             "40",
             "--format",
             "json",
-        ])?;
+        ];
+        args.extend_from_slice(extra);
+        let out = run(&args)?;
         anyhow::ensure!(
             out.status.success(),
             "{}",
             String::from_utf8_lossy(&out.stderr)
         );
         let obj: serde_json::Value = serde_json::from_str(String::from_utf8(out.stdout)?.trim())?;
-        let ids: Vec<i64> = obj["generated_ids"]
+        Ok(obj["generated_ids"]
             .as_array()
             .into_iter()
             .flatten()
             .filter_map(|v| v.as_i64())
-            .collect();
-        if let Some(pos) = ids.iter().position(|&t| t == 2) {
-            assert_eq!(pos, ids.len() - 1, "stops right after EOS: {ids:?}");
-            let out = run(&[
-                "--model",
-                model,
-                "--prompt-ids",
-                &prompt,
-                "--max-new-tokens",
-                "40",
-                "--format",
-                "json",
-                "--ignore-eos",
-            ])?;
-            let obj: serde_json::Value =
-                serde_json::from_str(String::from_utf8(out.stdout)?.trim())?;
-            assert_eq!(
-                obj["generated_ids"].as_array().map_or(0, Vec::len),
-                40,
-                "--ignore-eos"
-            );
+            .collect())
+    };
+    let mut seen = false;
+    for first in 3..60u32 {
+        let prompt = format!("1,{first},{}", (first * 7) % 120 + 3);
+        let got = ids(&prompt, &[])?;
+        if let Some(pos) = got.iter().position(|&t| t == 2) {
+            assert_eq!(pos, got.len() - 1, "stops right after EOS: {got:?}");
+            assert_eq!(ids(&prompt, &["--ignore-eos"])?.len(), 40, "--ignore-eos");
             seen = true;
             break;
         }

@@ -457,19 +457,8 @@ mod tests {
     //! computed in f64 from the definition.
     use super::super::matrix::SharedOut;
     use super::super::problem::{DenseBias, KernelMask, OutOperand};
+    use super::super::tests::values;
     use super::*;
-
-    fn values(n: usize, seed: u64) -> Vec<f32> {
-        let mut s = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
-        (0..n)
-            .map(|_| {
-                s ^= s << 13;
-                s ^= s >> 7;
-                s ^= s << 17;
-                (s >> 40) as f32 / (1u64 << 23) as f32 - 1.0
-            })
-            .collect()
-    }
 
     #[derive(Default)]
     struct Case {

@@ -44,13 +44,7 @@ pub(crate) fn gemv<T: Widen>(
     bias: Option<&[f32]>,
     y: &mut [f32],
 ) -> Result<()> {
-    let (out, inp) = (y.len(), x.len());
-    if w.len() != out * inp || bias.is_some_and(|b| b.len() != out) {
-        return Err(Error::Kernel(format!(
-            "gemv of {} weights by {inp} inputs into {out} outputs",
-            w.len()
-        )));
-    }
+    let (out, inp) = check(w.len(), x, bias, y)?;
     let work = |(c, ys): (usize, &mut [f32])| {
         for (r, yv) in ys.iter_mut().enumerate() {
             let j = c * ROWS_PER_TASK + r;
@@ -63,6 +57,17 @@ pub(crate) fn gemv<T: Widen>(
         y.par_chunks_mut(ROWS_PER_TASK).enumerate().for_each(work);
     }
     Ok(())
+}
+
+/// `(out, in)` when `weights` values, `x`, `bias` and `y` fit together.
+fn check(weights: usize, x: &[f32], bias: Option<&[f32]>, y: &[f32]) -> Result<(usize, usize)> {
+    let (out, inp) = (y.len(), x.len());
+    if weights != out * inp || bias.is_some_and(|b| b.len() != out) {
+        return Err(Error::Kernel(format!(
+            "matrix-vector product of {weights} weights by {inp} inputs into {out} outputs"
+        )));
+    }
+    Ok((out, inp))
 }
 
 /// `sum a[i] b[i]`, with the widest vectors the CPU has.
@@ -136,13 +141,7 @@ pub(crate) fn gemv_t<T: Widen>(
     bias: Option<&[f32]>,
     y: &mut [f32],
 ) -> Result<()> {
-    let (out, inp) = (y.len(), x.len());
-    if w.len() != out * inp || bias.is_some_and(|b| b.len() != out) {
-        return Err(Error::Kernel(format!(
-            "transposed gemv of {} weights by {inp} inputs into {out} outputs",
-            w.len()
-        )));
-    }
+    let (out, _) = check(w.len(), x, bias, y)?;
     const COLS: usize = 256;
     y.par_chunks_mut(COLS).enumerate().for_each(|(c, ys)| {
         let j0 = c * COLS;

@@ -125,7 +125,8 @@ mod tests {
     use super::problem::{KernelMask, Operand};
     use super::*;
 
-    fn values(n: usize, seed: u64) -> Vec<f32> {
+    /// Deterministic pseudo-random values in `[-1, 1)` (xorshift), for the kernels' tests.
+    pub(super) fn values(n: usize, seed: u64) -> Vec<f32> {
         let mut s = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
         (0..n)
             .map(|_| {
