@@ -572,29 +572,7 @@ impl MultiHeadSelfAttention {
         // Q and K | V in two for cross-attention.
         let (rows, kv_rows, s) = match kv {
             None => {
-                let qkv = match &self.qkv {
-                    QkvProjection::Fused { weight_t, bias } => {
-                        let w = weight_t.tensor()?; // (hidden, q+k+v)
-                        linear_in_out(&x.reshape((b * t, d))?, &w, bias.as_ref())?
-                        // (b*t, q+k+v)
-                    }
-                    QkvProjection::Separate { q, k, v } => {
-                        if self.kv_hidden != self.hidden {
-                            return Err(Error::input(
-                                "x",
-                                format!(
-                                    "cross-attention: this layer's keys/values read width {} but queries read {}",
-                                    self.kv_hidden, self.hidden
-                                ),
-                                "self-attention call",
-                            ));
-                        }
-                        // One product for Q, K and V, on the weights as they are now.
-                        let w = Tensor::cat(&[&q.weight, &k.weight, &v.weight], 0)?; // (q+k+v, hidden)
-                        let bias = fused_bias(q, k, v)?;
-                        linear(&x.reshape((b * t, d))?, &w, bias.as_ref())? // (b*t, q+k+v)
-                    }
-                };
+                let qkv = self.qkv_rows(&x.reshape((b * t, d))?)?; // (b*t, q+k+v)
                 (qkv, None, t)
             }
             Some(kv) => {
@@ -647,16 +625,12 @@ impl MultiHeadSelfAttention {
             let ctx = out.context.transpose(1, 2)?.reshape((b, t, h * vhd))?; // (b, t, h*vhd)
             (ctx, out.weights)
         };
-        let context = match &self.out_proj {
-            Some(o) => {
-                let w = o.weight_t.tensor()?; // (h*vhd, out)
-                let (_, o_out) = w.dims2()?;
-                linear_in_out(&ctx.reshape((b * t, h * vhd))?, &w, o.bias.as_ref())?
-                    .reshape((b, t, o_out))? // (b, t, out)
-            }
-            None => ctx,
-        };
-        Ok(AttentionOutput { context, weights })
+        let out = self.output_rows(&ctx.reshape((b * t, h * vhd))?)?; // (b*t, out)
+        let (_, o_out) = out.dims2()?;
+        Ok(AttentionOutput {
+            context: out.reshape((b, t, o_out))?, // (b, t, out)
+            weights,
+        })
     }
 
     fn check_input(&self, name: &str, x: &Tensor, width: usize) -> Result<(usize, usize, usize)> {
@@ -691,6 +665,43 @@ impl MultiHeadSelfAttention {
         Ok((b, t, d))
     }
 
+    /// `x W_qkv^T + b`: Q, K and V side by side in one product's rows, on the weights as
+    /// they are now (the packed micro-kernels or the one-row kernels where nothing tracks
+    /// gradients).
+    ///
+    /// # Shapes
+    /// - `x2`: `(rows, hidden)`; returns `(rows, q + k + v)`
+    fn qkv_rows(&self, x2: &Tensor) -> Result<Tensor> {
+        Ok(match &self.qkv {
+            QkvProjection::Fused { weight_t, bias } => match weight_t.cpu_f32() {
+                Some(w) if x2.device().is_cpu() && x2.dtype() == DType::F32 && !x2.track_op() => {
+                    self_attention::linear_rows(x2, w, bias.as_ref())?
+                }
+                _ => {
+                    let w = weight_t.tensor()?; // (hidden, q+k+v)
+                    match one_row_linear(x2, &w, bias.as_ref(), false)? {
+                        Some(y) => y,
+                        None => linear_in_out(x2, &w, bias.as_ref())?,
+                    }
+                }
+            },
+            QkvProjection::Separate { q, k, v } => {
+                if self.kv_hidden != self.hidden {
+                    return Err(Error::input(
+                        "x",
+                        format!(
+                            "cross-attention: this layer's keys/values read width {} but queries read {}",
+                            self.kv_hidden, self.hidden
+                        ),
+                        "self-attention call",
+                    ));
+                }
+                let w = Tensor::cat(&[&q.weight, &k.weight, &v.weight], 0)?; // (q+k+v, hidden)
+                linear(x2, &w, fused_bias(q, k, v)?.as_ref())?
+            }
+        })
+    }
+
     /// The heads of Q, K and V of `x`, before any position encoding: the first half of an
     /// attention call, for decoders that rotate queries and keys and keep a cache (see
     /// [`crate::LlamaModel`]). On the CPU in f32, with nothing tracking gradients, the
@@ -708,32 +719,7 @@ impl MultiHeadSelfAttention {
             self.head_dim,
             self.v_head_dim,
         );
-        let x2 = x.reshape((b * t, d))?; // (b*t, hidden)
-        let qkv = match &self.qkv {
-            QkvProjection::Fused { weight_t, bias } => match weight_t.cpu_f32() {
-                Some(w) if x.device().is_cpu() && x.dtype() == DType::F32 && !x.track_op() => {
-                    self_attention::linear_rows(&x2, w, bias.as_ref())?
-                }
-                _ => {
-                    let w = weight_t.tensor()?; // (hidden, q+k+v)
-                    match one_row_linear(&x2, &w, bias.as_ref(), false)? {
-                        Some(y) => y,
-                        None => linear_in_out(&x2, &w, bias.as_ref())?,
-                    }
-                }
-            },
-            QkvProjection::Separate { q, k, v } => {
-                if self.kv_hidden != self.hidden {
-                    return Err(Error::input(
-                        "x",
-                        "a layer whose keys and values read the queries' width",
-                        format!("keys/values of width {}", self.kv_hidden),
-                    ));
-                }
-                let w = Tensor::cat(&[&q.weight, &k.weight, &v.weight], 0)?; // (q+k+v, hidden)
-                linear(&x2, &w, fused_bias(q, k, v)?.as_ref())?
-            }
-        }; // (b*t, q+k+v)
+        let qkv = self.qkv_rows(&x.reshape((b * t, d))?)?; // (b*t, q+k+v)
         let q = qkv
             .narrow(1, 0, h * hd)?
             .reshape((b, t, h, hd))?
@@ -767,28 +753,31 @@ impl MultiHeadSelfAttention {
             ));
         }
         let ctx = context.transpose(1, 2)?.reshape((b * t, h * vhd))?; // (b*t, h*vhd)
-        Ok(match &self.out_proj {
-            Some(o) => {
-                let out = match o.weight_t.cpu_f32() {
-                    Some(w)
-                        if ctx.device().is_cpu()
-                            && ctx.dtype() == DType::F32
-                            && !ctx.track_op() =>
-                    {
-                        self_attention::linear_rows(&ctx, w, o.bias.as_ref())?
-                    }
-                    _ => {
-                        let w = o.weight_t.tensor()?; // (h*vhd, out)
-                        match one_row_linear(&ctx, &w, o.bias.as_ref(), false)? {
-                            Some(y) => y,
-                            None => linear_in_out(&ctx, &w, o.bias.as_ref())?,
-                        }
-                    }
-                }; // (b*t, out)
-                let (_, o_out) = out.dims2()?;
-                out.reshape((b, t, o_out))? // (b, t, out)
+        let out = self.output_rows(&ctx)?; // (b*t, out)
+        let (_, o_out) = out.dims2()?;
+        Ok(out.reshape((b, t, o_out))?) // (b, t, out)
+    }
+
+    /// `ctx W_O^T + b_O` (the rows unchanged without an output projection), on the packed
+    /// micro-kernels or the one-row kernels where nothing tracks gradients.
+    ///
+    /// # Shapes
+    /// - `ctx`: `(rows, heads * v_head_dim)`; returns `(rows, out)`
+    fn output_rows(&self, ctx: &Tensor) -> Result<Tensor> {
+        let Some(o) = &self.out_proj else {
+            return Ok(ctx.clone());
+        };
+        Ok(match o.weight_t.cpu_f32() {
+            Some(w) if ctx.device().is_cpu() && ctx.dtype() == DType::F32 && !ctx.track_op() => {
+                self_attention::linear_rows(ctx, w, o.bias.as_ref())?
             }
-            None => ctx.reshape((b, t, h * vhd))?,
+            _ => {
+                let w = o.weight_t.tensor()?; // (h*vhd, out)
+                match one_row_linear(ctx, &w, o.bias.as_ref(), false)? {
+                    Some(y) => y,
+                    None => linear_in_out(ctx, &w, o.bias.as_ref())?,
+                }
+            }
         })
     }
 
