@@ -8,6 +8,8 @@
 //! cargo run --release --example attention_dump -- --html view.html "a sentence"
 //! ```
 
+mod common;
+
 use std::io::{BufWriter, IsTerminal, Write};
 use std::path::PathBuf;
 use std::process::ExitCode;
@@ -18,11 +20,16 @@ use candle_attention::viz::{
     render_heatmap, render_html_grouped, AttentionDump, DumpSelection, HeatmapStyle,
 };
 use candle_attention::{
-    parse_dtype, select_device, Checkpoint, EncodedText, HfConfig, LlamaConfig, LlamaModel, Model,
-    ModelFiles, ModelResolver, TextEncoder, WeightLayout,
+    length_sorted_batches, parse_dtype, select_device, Checkpoint, EncodedText, HfConfig,
+    LlamaConfig, LlamaModel, Model, ModelFiles, ModelResolver, TextEncoder, WeightLayout,
 };
 use candle_core::{DType, Device, Tensor};
 use clap::{Parser, ValueEnum};
+use common::Sentences;
+
+/// Batches per window of sentences sorted by length together (each window's dumps are
+/// held until it is written in input order).
+const WINDOW_BATCHES: usize = 4;
 
 #[derive(Copy, Clone, Debug, PartialEq, Eq, ValueEnum)]
 enum Format {
@@ -41,7 +48,7 @@ enum Format {
                   pieces, as a query the MEAN over its pieces (rows still sum to 1)."
 )]
 struct Args {
-    /// Sentences to analyse (batched together; each result equals running it alone).
+    /// Sentences to analyse (batched by length; each result equals running it alone).
     sentences: Vec<String>,
     /// Read sentences from a UTF-8 file, one per line (blank lines are skipped).
     #[arg(long)]
@@ -78,7 +85,7 @@ struct Args {
     /// Cut sentences longer than the model's positions instead of failing.
     #[arg(long)]
     truncate: bool,
-    /// Sentences per forward pass.
+    /// Sentences per forward pass (sorted by length into batches).
     #[arg(long, default_value_t = 32)]
     batch_size: usize,
     /// Plain characters instead of colors (also when NO_COLOR is set or stdout is not a terminal).
@@ -96,34 +103,9 @@ fn main() -> ExitCode {
     }
 }
 
-fn read_sentences(args: &Args) -> anyhow::Result<Vec<String>> {
-    let mut sentences = args.sentences.clone();
-    if let Some(path) = &args.file {
-        let bytes =
-            std::fs::read(path).with_context(|| format!("cannot read {}", path.display()))?;
-        let text = String::from_utf8(bytes).map_err(|e| {
-            anyhow::anyhow!(
-                "{} is not valid UTF-8 (first bad byte at offset {})",
-                path.display(),
-                e.utf8_error().valid_up_to()
-            )
-        })?;
-        sentences.extend(
-            text.lines()
-                .map(|l| l.trim_end_matches('\r'))
-                .filter(|l| !l.trim().is_empty())
-                .map(str::to_string),
-        );
-    }
-    if sentences.is_empty() {
-        bail!("no sentence given: pass one or more sentences, or --file FILE");
-    }
-    Ok(sentences)
-}
-
 fn run(args: Args) -> anyhow::Result<()> {
     let t0 = Instant::now();
-    let sentences = read_sentences(&args)?;
+    let mut sentences = Sentences::open(args.sentences.clone(), args.file.as_deref())?;
     if args.batch_size == 0 {
         bail!("--batch-size must be at least 1");
     }
@@ -149,135 +131,169 @@ fn run(args: Args) -> anyhow::Result<()> {
         layer: args.layer,
         head: None,
     };
+    let mut json_out: Option<Box<dyn Write>> = match (&args.out, args.format) {
+        (Some(path), _) => Some(Box::new(BufWriter::new(
+            std::fs::File::create(path)
+                .with_context(|| format!("cannot create {}", path.display()))?,
+        ))),
+        (None, Format::Json) => Some(Box::new(BufWriter::new(std::io::stdout().lock()))),
+        (None, Format::Text) => None,
+    };
+    let text = (args.format == Format::Text).then(|| {
+        let color = !args.no_color
+            && std::env::var_os("NO_COLOR").is_none()
+            && std::io::stdout().is_terminal();
+        if color {
+            HeatmapStyle::Color
+        } else {
+            HeatmapStyle::Plain
+        }
+    });
+    // The HTML page holds every sentence; JSON and text are written window by window.
+    let mut html_dumps = Vec::new();
+    let mut stdout = std::io::stdout().lock();
     let t1 = Instant::now();
-    let mut json_dumps = Vec::new();
-    let mut views = Vec::new();
-    for chunk in sentences.chunks(args.batch_size) {
-        let texts: Vec<&str> = chunk.iter().map(String::as_str).collect();
-        for (item, index, attentions) in net.attentions(&texts, &device)? {
-            let mut json =
-                AttentionDump::from_batch(&name, &item, index, &attentions, json_select)?;
-            let mut view =
-                AttentionDump::from_batch(&name, &item, index, &attentions, view_select)?;
-            if args.words {
-                json = json.into_words(&item);
-                view = view.into_words(&item);
-            }
-            json_dumps.push(json);
-            views.push((view, item));
+    let mut shown = 0;
+    loop {
+        let window = sentences.next_window(args.batch_size * WINDOW_BATCHES)?;
+        if window.is_empty() {
+            break;
         }
+        let texts: Vec<&str> = window.iter().map(String::as_str).collect();
+        let numbered = shown > 0 || window.len() > 1;
+        for (item, (json, view)) in net.dumps(
+            &texts,
+            args.batch_size,
+            &device,
+            |item, index, attentions| {
+                let mut json =
+                    AttentionDump::from_batch(&name, item, index, attentions, json_select)?;
+                let mut view = match text {
+                    Some(_) => Some(AttentionDump::from_batch(
+                        &name,
+                        item,
+                        index,
+                        attentions,
+                        view_select,
+                    )?),
+                    None => None,
+                };
+                if args.words {
+                    json = json.into_words(item);
+                    view = view.map(|v| v.into_words(item));
+                }
+                Ok((json, view))
+            },
+        )? {
+            if let Some(w) = json_out.as_mut() {
+                serde_json::to_writer(&mut *w, &json)?;
+                w.write_all(b"\n")?;
+            }
+            if let (Some(style), Some(view)) = (text, view) {
+                if shown == 0 {
+                    // After the first window is read and run: an error there leaves stdout empty.
+                    writeln!(
+                        stdout,
+                        "model: {name} ({layers} layers x {heads} heads, {device_name}, {})",
+                        args.dtype
+                    )?;
+                }
+                shown += 1;
+                print_view(
+                    &mut stdout,
+                    &args,
+                    &view,
+                    &item,
+                    numbered.then_some(shown),
+                    style,
+                )?;
+            }
+            if args.html.is_some() {
+                html_dumps.push(json);
+            }
+        }
+        sentences.advance_progress();
     }
+    sentences.finish();
     let ran = t1.elapsed();
-
-    if args.format == Format::Json || args.out.is_some() {
-        match &args.out {
-            Some(path) => {
-                let file = std::fs::File::create(path)
-                    .with_context(|| format!("cannot create {}", path.display()))?;
-                write_json_lines(BufWriter::new(file), &json_dumps)?;
-            }
-            None => write_json_lines(std::io::stdout().lock(), &json_dumps)?,
-        }
+    if let Some(mut w) = json_out {
+        w.flush()?;
     }
     if let Some(path) = &args.html {
         let title = format!("Attention, {name}");
         // The page gets every layer and head unless --layer/--head restrict it.
-        let page = render_html_grouped(&json_dumps, &title, args.words, net.kv_group())?;
+        let page = render_html_grouped(&html_dumps, &title, args.words, net.kv_group())?;
         std::fs::write(path, page).with_context(|| format!("cannot write {}", path.display()))?;
     }
-    if args.format == Format::Text {
-        let color = !args.no_color
-            && std::env::var_os("NO_COLOR").is_none()
-            && std::io::stdout().is_terminal();
-        let style = if color {
-            HeatmapStyle::Color
-        } else {
-            HeatmapStyle::Plain
-        };
-        print_text(&args, (&name, layers, heads), &views, style, &device_name)?;
+    if text.is_some() {
+        writeln!(
+            stdout,
+            "\nrows = query tokens (who attends), columns = key tokens (attended to); cells = weight x 100"
+        )?;
+        writeln!(
+            stdout,
+            "more: --layer L --head H picks a head, --format json dumps every layer and head, --html FILE writes an interactive page, --words merges word pieces"
+        )?;
         eprintln!(
             "loaded in {:.0} ms, {} sentence(s) through {layers} layers in {:.0} ms",
             loaded.as_secs_f64() * 1e3,
-            sentences.len(),
+            sentences.produced(),
             ran.as_secs_f64() * 1e3
         );
     }
     Ok(())
 }
 
-fn write_json_lines(mut w: impl Write, dumps: &[AttentionDump]) -> anyhow::Result<()> {
-    for d in dumps {
-        serde_json::to_writer(&mut w, d)?;
-        w.write_all(b"\n")?;
-    }
-    w.flush()?;
-    Ok(())
-}
-
-fn print_text(
+/// One sentence's tokens and heatmap; `number` heads it when there are several.
+fn print_view(
+    out: &mut impl Write,
     args: &Args,
-    (name, layers, heads): (&str, usize, usize),
-    views: &[(AttentionDump, EncodedText)],
+    view: &AttentionDump,
+    item: &EncodedText,
+    number: Option<usize>,
     style: HeatmapStyle,
-    device_name: &str,
 ) -> anyhow::Result<()> {
-    let mut out = std::io::stdout().lock();
-    writeln!(
-        out,
-        "model: {name} ({layers} layers x {heads} heads, {device_name}, {})",
-        args.dtype
-    )?;
-    for (n, (view, item)) in views.iter().enumerate() {
-        writeln!(out)?;
-        if views.len() > 1 {
-            writeln!(out, "sentence {}: {}", n + 1, view.text)?;
-        }
-        let tokens: Vec<String> = view
-            .tokens
-            .iter()
-            .enumerate()
-            .map(|(i, t)| format!("{i}:{t}"))
-            .collect();
-        writeln!(
-            out,
-            "{} {}: {}",
-            view.tokens.len(),
-            if args.words { "words" } else { "tokens" },
-            tokens.join(" ")
-        )?;
-        let special: Vec<bool> = if args.words {
-            view.tokens
-                .iter()
-                .map(|t| t.starts_with('[') && t.ends_with(']'))
-                .collect()
-        } else {
-            item.special.clone()
-        };
-        let (lp, hp) = view.sharpest_among(&special, args.head);
-        let why = match (args.layer, args.head) {
-            (Some(_), Some(_)) => "chosen with --layer and --head",
-            (None, Some(_)) => "chosen with --head; the layer where it is sharpest",
-            (Some(_), None) => {
-                "the sharpest head of this layer: lowest mean row entropy over the words"
-            }
-            (None, None) => "sharpest pattern: lowest mean row entropy over the words",
-        };
-        let layer = view.layer_ids[lp];
-        let head = view.head_ids[hp];
-        writeln!(out, "layer {layer}, head {head} ({why})")?;
-        write!(
-            out,
-            "{}",
-            render_heatmap(&view.tokens, &view.attentions[lp][hp], style)
-        )?;
+    writeln!(out)?;
+    if let Some(n) = number {
+        writeln!(out, "sentence {n}: {}", view.text)?;
     }
+    let tokens: Vec<String> = view
+        .tokens
+        .iter()
+        .enumerate()
+        .map(|(i, t)| format!("{i}:{t}"))
+        .collect();
     writeln!(
         out,
-        "\nrows = query tokens (who attends), columns = key tokens (attended to); cells = weight x 100"
+        "{} {}: {}",
+        view.tokens.len(),
+        if args.words { "words" } else { "tokens" },
+        tokens.join(" ")
     )?;
-    writeln!(
+    let special: Vec<bool> = if args.words {
+        view.tokens
+            .iter()
+            .map(|t| t.starts_with('[') && t.ends_with(']'))
+            .collect()
+    } else {
+        item.special.clone()
+    };
+    let (lp, hp) = view.sharpest_among(&special, args.head);
+    let why = match (args.layer, args.head) {
+        (Some(_), Some(_)) => "chosen with --layer and --head",
+        (None, Some(_)) => "chosen with --head; the layer where it is sharpest",
+        (Some(_), None) => {
+            "the sharpest head of this layer: lowest mean row entropy over the words"
+        }
+        (None, None) => "sharpest pattern: lowest mean row entropy over the words",
+    };
+    let layer = view.layer_ids[lp];
+    let head = view.head_ids[hp];
+    writeln!(out, "layer {layer}, head {head} ({why})")?;
+    write!(
         out,
-        "more: --layer L --head H picks a head, --format json dumps every layer and head, --html FILE writes an interactive page, --words merges word pieces"
+        "{}",
+        render_heatmap(&view.tokens, &view.attentions[lp][hp], style)
     )?;
     Ok(())
 }
@@ -348,31 +364,46 @@ impl Network {
         }
     }
 
-    /// Each sentence's tokens, its index in the attentions, and the per-layer attentions
-    /// `(batch, heads, seq, seq)` it is read from.
-    fn attentions(
+    /// `make(item, index, attentions)` for every sentence, with its tokens, its row in
+    /// the per-layer attentions `(batch, heads, seq, seq)`; results in input order.
+    /// Encoder sentences are sorted by length into batches of `batch_size`.
+    fn dumps<R>(
         &self,
         texts: &[&str],
+        batch_size: usize,
         device: &Device,
-    ) -> anyhow::Result<Vec<(EncodedText, usize, Vec<Tensor>)>> {
+        mut make: impl FnMut(&EncodedText, usize, &[Tensor]) -> anyhow::Result<R>,
+    ) -> anyhow::Result<Vec<(EncodedText, R)>> {
         match self {
             Self::Encoder(m) => {
-                let batch = m.text.encode_batch(texts, device)?;
-                let out = m.encoder.forward(
-                    &batch.input_ids,
-                    Some(&batch.token_type_ids),
-                    Some(&batch.attention_mask),
-                    true,
-                )?;
-                let attentions = out
-                    .attentions
-                    .context("the encoder returned no attentions")?;
-                Ok(batch
-                    .items
-                    .into_iter()
-                    .enumerate()
-                    .map(|(i, item)| (item, i, attentions.clone()))
-                    .collect())
+                let items = texts
+                    .iter()
+                    .map(|t| m.text.encode(t))
+                    .collect::<candle_attention::Result<Vec<_>>>()?;
+                let lengths: Vec<usize> = items.iter().map(EncodedText::len).collect();
+                let mut slots: Vec<Option<EncodedText>> = items.into_iter().map(Some).collect();
+                let mut done: Vec<Option<(EncodedText, R)>> = texts.iter().map(|_| None).collect();
+                for plan in length_sorted_batches(&lengths, batch_size)? {
+                    let members: Vec<EncodedText> =
+                        plan.iter().filter_map(|&i| slots[i].take()).collect();
+                    let batch = m.text.pad(members, device)?;
+                    let out = m.encoder.forward(
+                        &batch.input_ids,
+                        Some(&batch.token_type_ids),
+                        Some(&batch.attention_mask),
+                        true,
+                    )?;
+                    let attentions = out
+                        .attentions
+                        .context("the encoder returned no attentions")?;
+                    for (row, (item, &i)) in batch.items.into_iter().zip(&plan).enumerate() {
+                        let r = make(&item, row, &attentions)?;
+                        done[i] = Some((item, r));
+                    }
+                }
+                done.into_iter()
+                    .map(|d| d.context("a sentence was left out of every batch"))
+                    .collect()
             }
             Self::Decoder { model, text, .. } => texts
                 .iter()
@@ -385,7 +416,8 @@ impl Network {
                         *first = true;
                     }
                     let attentions = model.attentions(&ids)?;
-                    Ok((item, 0, attentions))
+                    let r = make(&item, 0, &attentions)?;
+                    Ok((item, r))
                 })
                 .collect(),
         }

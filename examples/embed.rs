@@ -5,17 +5,31 @@
 //! ```text
 //! cargo run --release --example embed -- "A man is eating food." "A man is eating pasta." "The sky is blue."
 //! cargo run --release --example embed -- --format json "one sentence"
+//! cargo run --release --example embed -- --format json --file corpus.txt > embeddings.jsonl
 //! ```
+//!
+//! Sentences are sorted by length into batches of `--batch-size` within windows of
+//! [`WINDOW_BATCHES`] batches; JSON lines are written window by window in input order, so
+//! memory does not grow with the corpus.
+
+mod common;
 
 use std::io::Write;
 use std::path::PathBuf;
 use std::process::ExitCode;
 use std::time::Instant;
 
-use anyhow::{bail, Context};
-use candle_attention::{l2_normalize, mean_pool, parse_dtype, select_device, Model, ModelResolver};
+use candle_attention::{parse_dtype, select_device, Embedder, Model, ModelResolver};
 use clap::{Parser, ValueEnum};
+use common::Sentences;
 use serde::Serialize;
+
+/// Batches per window of sentences sorted together: enough for batches of like lengths.
+const WINDOW_BATCHES: usize = 16;
+
+/// Text mode prints the full similarity table up to this many sentences, and each
+/// sentence's nearest neighbour beyond.
+const TABLE_MAX: usize = 12;
 
 #[derive(Copy, Clone, Debug, PartialEq, Eq, ValueEnum)]
 enum Format {
@@ -48,6 +62,9 @@ struct Args {
     /// Cut sentences longer than the model's positions instead of failing.
     #[arg(long)]
     truncate: bool,
+    /// Sentences per forward pass (sorted by length into batches).
+    #[arg(long, default_value_t = Embedder::DEFAULT_BATCH_SIZE)]
+    batch_size: usize,
 }
 
 #[derive(Serialize)]
@@ -68,83 +85,101 @@ fn main() -> ExitCode {
 
 fn run(args: Args) -> anyhow::Result<()> {
     let t0 = Instant::now();
-    let mut sentences = args.sentences.clone();
-    if let Some(path) = &args.file {
-        let bytes =
-            std::fs::read(path).with_context(|| format!("cannot read {}", path.display()))?;
-        let text = String::from_utf8(bytes).map_err(|e| {
-            anyhow::anyhow!(
-                "{} is not valid UTF-8 (first bad byte at offset {})",
-                path.display(),
-                e.utf8_error().valid_up_to()
-            )
-        })?;
-        sentences.extend(
-            text.lines()
-                .filter(|l| !l.trim().is_empty())
-                .map(str::to_string),
+    let mut sentences = Sentences::open(args.sentences.clone(), args.file.as_deref())?;
+    let (device, _) = select_device(&args.device)?;
+    let dtype = parse_dtype(&args.dtype)?;
+    let files = ModelResolver::new().resolve(args.model.as_deref())?;
+    let model = Model::load(files, dtype, &device, args.truncate)?;
+    let embedder = model.embedder(&device).with_batch_size(args.batch_size)?;
+    let loaded = t0.elapsed();
+
+    let t1 = Instant::now();
+    let mut stdout = std::io::BufWriter::new(std::io::stdout().lock());
+    // Text mode compares every pair, so it keeps every row; JSON writes them as they come.
+    let mut kept: Vec<(String, Vec<f32>)> = Vec::new();
+    loop {
+        let window = sentences.next_window(args.batch_size * WINDOW_BATCHES)?;
+        if window.is_empty() {
+            break;
+        }
+        let texts: Vec<&str> = window.iter().map(String::as_str).collect();
+        let rows = embedder.embed(&texts)?;
+        match args.format {
+            Format::Json => {
+                for (text, embedding) in texts.iter().zip(rows) {
+                    serde_json::to_writer(&mut stdout, &Embedding { text, embedding })?;
+                    stdout.write_all(b"\n")?;
+                }
+            }
+            Format::Text => kept.extend(window.into_iter().zip(rows)),
+        }
+        sentences.advance_progress();
+    }
+    sentences.finish();
+    let ran = t1.elapsed();
+    if args.format == Format::Text {
+        print_similarities(&mut stdout, &kept, &model.files.name)?;
+    }
+    stdout.flush()?;
+    if args.format == Format::Text {
+        eprintln!(
+            "loaded in {:.0} ms, embedded {} sentences in {:.0} ms",
+            loaded.as_secs_f64() * 1e3,
+            sentences.produced(),
+            ran.as_secs_f64() * 1e3
         );
     }
-    if sentences.is_empty() {
-        bail!("no sentence given: pass one or more sentences, or --file FILE");
-    }
-    let (device, _) = select_device(&args.device)?;
-    let files = ModelResolver::new().resolve(args.model.as_deref())?;
-    let model = Model::load(files, parse_dtype(&args.dtype)?, &device, args.truncate)?;
-    let loaded = t0.elapsed();
-    let t1 = Instant::now();
-    let texts: Vec<&str> = sentences.iter().map(String::as_str).collect();
-    let batch = model.text.encode_batch(&texts, &device)?;
-    let out = model.encoder.forward(
-        &batch.input_ids,
-        Some(&batch.token_type_ids),
-        Some(&batch.attention_mask),
-        false,
-    )?;
-    let emb = l2_normalize(&mean_pool(&out.hidden_states, &batch.attention_mask)?)?; // (b, hidden)
-    let rows: Vec<Vec<f32>> = emb.to_vec2()?;
-    let ran = t1.elapsed();
+    Ok(())
+}
 
-    let mut stdout = std::io::stdout().lock();
-    match args.format {
-        Format::Json => {
-            for (text, embedding) in texts.iter().zip(rows) {
-                serde_json::to_writer(&mut stdout, &Embedding { text, embedding })?;
-                stdout.write_all(b"\n")?;
+/// The sentences, then their cosine similarity table (or each one's nearest neighbour
+/// when there are more than [`TABLE_MAX`]).
+fn print_similarities(
+    out: &mut impl Write,
+    rows: &[(String, Vec<f32>)],
+    model: &str,
+) -> anyhow::Result<()> {
+    let dim = rows.first().map_or(0, |r| r.1.len());
+    writeln!(
+        out,
+        "{} sentences, {dim}-dimensional embeddings ({model})",
+        rows.len()
+    )?;
+    for (i, (t, _)) in rows.iter().enumerate() {
+        writeln!(out, "[{i}] {t}")?;
+    }
+    let cos = |a: &[f32], b: &[f32]| -> f32 { a.iter().zip(b).map(|(x, y)| x * y).sum() };
+    if rows.len() > TABLE_MAX {
+        writeln!(out, "\nnearest neighbour (cosine similarity):")?;
+        for (i, (_, a)) in rows.iter().enumerate() {
+            let best = rows
+                .iter()
+                .enumerate()
+                .filter(|(j, _)| *j != i)
+                .map(|(j, (_, b))| (j, cos(a, b)))
+                .max_by(|x, y| x.1.total_cmp(&y.1));
+            if let Some((j, c)) = best {
+                writeln!(
+                    out,
+                    "{:>5} -> {:>5} {c:>7.3}",
+                    format!("[{i}]"),
+                    format!("[{j}]")
+                )?;
             }
         }
-        Format::Text => {
-            writeln!(
-                stdout,
-                "{} sentences, {}-dimensional embeddings ({})",
-                rows.len(),
-                rows[0].len(),
-                model.files.name
-            )?;
-            for (i, t) in texts.iter().enumerate() {
-                writeln!(stdout, "[{i}] {t}")?;
+    } else if rows.len() > 1 {
+        writeln!(out, "\ncosine similarity:")?;
+        write!(out, "     ")?;
+        for j in 0..rows.len() {
+            write!(out, "{:>7}", format!("[{j}]"))?;
+        }
+        writeln!(out)?;
+        for (i, (_, a)) in rows.iter().enumerate() {
+            write!(out, "{:>5}", format!("[{i}]"))?;
+            for (_, b) in rows {
+                write!(out, "{:>7.3}", cos(a, b))?;
             }
-            if rows.len() > 1 {
-                writeln!(stdout, "\ncosine similarity:")?;
-                write!(stdout, "     ")?;
-                for j in 0..rows.len() {
-                    write!(stdout, "{:>7}", format!("[{j}]"))?;
-                }
-                writeln!(stdout)?;
-                for (i, a) in rows.iter().enumerate() {
-                    write!(stdout, "{:>5}", format!("[{i}]"))?;
-                    for b in &rows {
-                        let cos: f32 = a.iter().zip(b).map(|(x, y)| x * y).sum();
-                        write!(stdout, "{cos:>7.3}")?;
-                    }
-                    writeln!(stdout)?;
-                }
-            }
-            eprintln!(
-                "loaded in {:.0} ms, embedded in {:.0} ms",
-                loaded.as_secs_f64() * 1e3,
-                ran.as_secs_f64() * 1e3
-            );
+            writeln!(out)?;
         }
     }
     Ok(())

@@ -50,12 +50,14 @@
 //! # Ok(()) }
 //! ```
 
+mod batching;
 mod bert;
 mod checkpoint;
 mod config;
 mod cost;
 mod device;
 pub mod dispatch;
+mod embedder;
 mod error;
 mod flash;
 mod kernels;
@@ -77,11 +79,13 @@ mod stored_weight;
 mod text;
 pub mod viz;
 
+pub use batching::{length_sorted_batches, padding_tokens};
 pub use bert::{l2_normalize, mean_pool, Activation, BertEncoder, BertLayer, EncoderOutput};
 pub use checkpoint::Checkpoint;
 pub use config::{AttentionConfig, HfConfig};
 pub use cost::{self_attention_cost, AttentionCost};
 pub use device::{parse_dtype, select_device};
+pub use embedder::Embedder;
 pub use error::{Error, Result};
 pub use kernels::WeightsBlock;
 pub use kv_cache::KvCache;

@@ -9,6 +9,7 @@ use candle_core::{DType, Device};
 use crate::bert::BertEncoder;
 use crate::checkpoint::Checkpoint;
 use crate::config::HfConfig;
+use crate::embedder::Embedder;
 use crate::error::{Error, Result};
 use crate::text::TextEncoder;
 
@@ -322,5 +323,11 @@ impl Model {
             text,
             encoder,
         })
+    }
+
+    /// Sentence embeddings with this model's encoder and tokenizer (batches of
+    /// [`Embedder::DEFAULT_BATCH_SIZE`] unless set otherwise).
+    pub fn embedder(&self, device: &Device) -> Embedder<'_> {
+        Embedder::new(&self.encoder, &self.text, device)
     }
 }

@@ -492,6 +492,19 @@ fn file_gives_the_same_as_positional_arguments() -> anyhow::Result<()> {
     for (i, (a, b)) in from_file.iter().zip(&positional).enumerate() {
         assert_same_dump(a, b, BATCH_TOL, &format!("sentence {i} from --file"))?;
     }
+    // Sorted by length into batches of any size, the lines come back in input order.
+    for batch in ["1", "2"] {
+        let sorted = run_json(&["--batch-size", batch, "--file", path_str(&file)?])?;
+        ensure!(sorted.len() == texts.len());
+        for (i, (a, b)) in sorted.iter().zip(&positional).enumerate() {
+            assert_same_dump(
+                a,
+                b,
+                BATCH_TOL,
+                &format!("sentence {i}, batches of {batch}"),
+            )?;
+        }
+    }
     Ok(())
 }
 

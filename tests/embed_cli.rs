@@ -268,3 +268,72 @@ fn missing_or_empty_sentences_are_errors() -> anyhow::Result<()> {
     )?;
     Ok(())
 }
+
+#[test]
+fn a_file_streams_in_input_order_whatever_the_batch_size() -> anyhow::Result<()> {
+    let dir = common::TempDir::new("embed-file")?;
+    // Mixed lengths, out of length order, a blank line and a CRLF ending.
+    let lines: Vec<String> = (0..40)
+        .map(|i| {
+            let n = 1 + (i * 13) % 37;
+            format!("sentence {i} {}", vec!["word"; n].join(" "))
+        })
+        .collect();
+    let mut body = lines.join("\n");
+    body.push_str("\n\nlast one\r\n");
+    let path = dir.write("corpus.txt", body.as_bytes())?;
+    let path = path.to_str().context("temp path is not UTF-8")?;
+    let mut want: Vec<String> = lines.clone();
+    want.push("last one".to_string());
+    let mut first: Option<Vec<Vec<f32>>> = None;
+    for batch in ["1", "4", "32"] {
+        let out = run(&["--format", "json", "--batch-size", batch, "--file", path])?;
+        ensure!(
+            out.status.success(),
+            "{}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        // Only JSON lines on stdout: any progress or timing goes to stderr.
+        let stdout = String::from_utf8(out.stdout)?;
+        let rows: Vec<Embedding> = stdout
+            .lines()
+            .map(serde_json::from_str)
+            .collect::<Result<_, _>>()
+            .context("a stdout line is not an embedding object")?;
+        let texts: Vec<&str> = rows.iter().map(|r| r.text.as_str()).collect();
+        ensure!(texts == want, "batch {batch}: order {texts:?}");
+        let emb: Vec<Vec<f32>> = rows.into_iter().map(|r| r.embedding).collect();
+        match &first {
+            None => first = Some(emb),
+            Some(f) => {
+                for (i, (a, b)) in emb.iter().zip(f).enumerate() {
+                    let d = a
+                        .iter()
+                        .zip(b)
+                        .map(|(x, y)| (x - y).abs())
+                        .fold(0f32, f32::max);
+                    ensure!(d <= 1e-6, "batch {batch}, sentence {i}: differs by {d}");
+                }
+            }
+        }
+    }
+    expect_error(&["--batch-size", "0", "hi"], &["batch size"])?;
+    Ok(())
+}
+
+#[test]
+fn text_mode_on_a_corpus_lists_nearest_neighbours() -> anyhow::Result<()> {
+    let mut texts: Vec<String> = (0..14)
+        .map(|i| format!("The sky is {i} shades of blue."))
+        .collect();
+    texts.push("A man is eating food.".to_string());
+    texts.push("A man is eating pasta.".to_string());
+    let args: Vec<&str> = texts.iter().map(String::as_str).collect();
+    let out = run_ok(&args)?;
+    ensure!(out.contains("nearest neighbour"), "{out}");
+    ensure!(
+        out.contains("[14] ->  [15]"),
+        "food's neighbour should be pasta:\n{out}"
+    );
+    Ok(())
+}

@@ -137,3 +137,69 @@ fn f16_weights_stay_close_to_f32() -> anyhow::Result<()> {
     }
     Ok(())
 }
+
+/// Sentences of mixed lengths (a few to ~60 tokens), with a repeat.
+fn mixed_corpus() -> Vec<String> {
+    let words = "the quick brown fox jumps over a lazy dog while seven wizards quietly judge \
+                 boxing matches near an old harbour under grey autumn skies";
+    let words: Vec<&str> = words.split_whitespace().collect();
+    let mut out: Vec<String> = (0..23)
+        .map(|i| {
+            let n = 1 + (i * 17) % 48;
+            (0..n)
+                .map(|k| words[(i * 5 + k * 3) % words.len()])
+                .collect::<Vec<_>>()
+                .join(" ")
+        })
+        .collect();
+    out.push(out[3].clone());
+    out
+}
+
+#[test]
+fn embedder_keeps_input_order_and_no_batch_changes_an_embedding() -> anyhow::Result<()> {
+    let fx = Fixture::open("encoder_golden")?;
+    let model = model()?;
+    // Golden sentences first: the embedder reproduces sentence-transformers on them.
+    let mut corpus: Vec<String> = sentences(&fx).into_iter().map(|(_, t)| t).collect();
+    let golden = corpus.len();
+    corpus.extend(mixed_corpus());
+    let texts: Vec<&str> = corpus.iter().map(String::as_str).collect();
+    let alone: Vec<Vec<f32>> = texts
+        .iter()
+        .map(|t| Ok(model.embedder(&Device::Cpu).embed(&[t])?.remove(0)))
+        .collect::<anyhow::Result<_>>()?;
+    for batch_size in [1, 3, 8, 32] {
+        let mut batches = 0;
+        let rows = model
+            .embedder(&Device::Cpu)
+            .with_batch_size(batch_size)?
+            .embed_with_progress(&texts, |n| {
+                assert!(n >= 1 && n <= batch_size);
+                batches += 1;
+            })?;
+        assert_eq!(batches, texts.len().div_ceil(batch_size));
+        assert_eq!(rows.len(), texts.len());
+        for (i, (row, one)) in rows.iter().zip(&alone).enumerate() {
+            let d = row
+                .iter()
+                .zip(one)
+                .map(|(a, b)| (a - b).abs())
+                .fold(0f32, f32::max);
+            assert!(
+                d <= 1e-6,
+                "batch {batch_size}, sentence {i}: differs by {d}"
+            );
+        }
+    }
+    for (i, (key, _)) in sentences(&fx).iter().enumerate().take(golden) {
+        let want: Vec<f32> = fx.tensor(&format!("{key}.embedding"))?.to_vec1()?;
+        let cos: f32 = alone[i].iter().zip(&want).map(|(a, b)| a * b).sum::<f32>()
+            / want.iter().map(|x| x * x).sum::<f32>().sqrt();
+        assert!(cos >= 0.99999, "{key}: cosine {cos}");
+    }
+    // The repeated sentence gets the same row wherever it sits.
+    assert_eq!(alone[golden + 3], alone[corpus.len() - 1]);
+    assert!(model.embedder(&Device::Cpu).with_batch_size(0).is_err());
+    Ok(())
+}

@@ -1,0 +1,114 @@
+//! Sentence embeddings for a corpus: tokenize, batch by length, encode, mean-pool over the
+//! real tokens, L2-normalise (sentence-transformers' pipeline for all-MiniLM-L6-v2), and
+//! return the rows in input order.
+
+use candle_core::{DType, Device, Tensor};
+
+use crate::batching::length_sorted_batches;
+use crate::bert::{l2_normalize, mean_pool, BertEncoder};
+use crate::error::{Error, Result};
+use crate::text::{EncodedBatch, EncodedText, TextEncoder};
+
+/// Embeds sentences in length-sorted batches with a BERT-family encoder.
+///
+/// A sentence's embedding does not depend on the batch it lands in: padding is masked out
+/// of every key and of the pooling.
+///
+/// ```no_run
+/// # fn main() -> candle_attention::Result<()> {
+/// use candle_attention::{Embedder, Model, ModelResolver};
+/// use candle_core::{DType, Device};
+///
+/// let device = Device::Cpu;
+/// let model = Model::load(ModelResolver::new().resolve(None)?, DType::F32, &device, false)?;
+/// let rows = model.embedder(&device).embed(&["A man is eating food.", "The sky is blue."])?;
+/// assert_eq!(rows.len(), 2); // input order, each of unit length
+/// # Ok(()) }
+/// ```
+pub struct Embedder<'m> {
+    encoder: &'m BertEncoder,
+    text: &'m TextEncoder,
+    device: Device,
+    batch_size: usize,
+}
+
+impl<'m> Embedder<'m> {
+    /// Sentences per forward pass unless set otherwise (sentence-transformers' default).
+    pub const DEFAULT_BATCH_SIZE: usize = 32;
+
+    /// An embedder over `encoder` and its tokenizer, running on `device`.
+    pub fn new(encoder: &'m BertEncoder, text: &'m TextEncoder, device: &Device) -> Self {
+        Self {
+            encoder,
+            text,
+            device: device.clone(),
+            batch_size: Self::DEFAULT_BATCH_SIZE,
+        }
+    }
+
+    /// Sentences per forward pass (at least 1).
+    pub fn with_batch_size(mut self, batch_size: usize) -> Result<Self> {
+        if batch_size == 0 {
+            return Err(Error::config("the batch size must be at least 1"));
+        }
+        self.batch_size = batch_size;
+        Ok(self)
+    }
+
+    /// Sentences per forward pass.
+    pub fn batch_size(&self) -> usize {
+        self.batch_size
+    }
+
+    /// Unit-length embeddings of `texts`, one row of `hidden` values per text, in input
+    /// order.
+    pub fn embed(&self, texts: &[&str]) -> Result<Vec<Vec<f32>>> {
+        self.embed_with_progress(texts, |_| {})
+    }
+
+    /// [`Embedder::embed`], calling `done(n)` after each batch of `n` sentences.
+    pub fn embed_with_progress(
+        &self,
+        texts: &[&str],
+        mut done: impl FnMut(usize),
+    ) -> Result<Vec<Vec<f32>>> {
+        let items = texts
+            .iter()
+            .map(|t| self.text.encode(t))
+            .collect::<Result<Vec<_>>>()?;
+        let lengths: Vec<usize> = items.iter().map(EncodedText::len).collect();
+        let mut slots: Vec<Option<EncodedText>> = items.into_iter().map(Some).collect();
+        let mut rows = vec![Vec::new(); texts.len()];
+        for batch in length_sorted_batches(&lengths, self.batch_size)? {
+            let members = batch
+                .iter()
+                .map(|&i| {
+                    slots[i]
+                        .take()
+                        .ok_or_else(|| Error::config("a batch plan listed a sentence twice"))
+                })
+                .collect::<Result<Vec<_>>>()?;
+            let embedded = self.embed_batch(&self.text.pad(members, &self.device)?)?;
+            for (&i, row) in batch.iter().zip(embedded.to_vec2::<f32>()?) {
+                rows[i] = row;
+            }
+            done(batch.len());
+        }
+        Ok(rows)
+    }
+
+    /// Embeddings of one padded batch.
+    ///
+    /// # Shapes
+    /// - returns `(batch, hidden)` f32, rows of unit length
+    pub fn embed_batch(&self, batch: &EncodedBatch) -> Result<Tensor> {
+        let out = self.encoder.forward(
+            &batch.input_ids,
+            Some(&batch.token_type_ids),
+            Some(&batch.attention_mask),
+            false,
+        )?;
+        let pooled = mean_pool(&out.hidden_states, &batch.attention_mask)?;
+        Ok(l2_normalize(&pooled)?.to_dtype(DType::F32)?)
+    }
+}
