@@ -126,6 +126,10 @@ struct Args {
     /// The attention alone on random Q, K, V (no projections).
     #[arg(long)]
     core: bool,
+    /// Measure the machine's FMA peak instead: independent vector FMAs (AVX-512 or AVX2) on
+    /// every rayon thread; prints GFLOP/s (the reference for FLOP rates in benches/).
+    #[arg(long)]
+    fma_peak: bool,
     /// Which implementation to time with `--json`.
     #[arg(long = "impl", value_enum, default_value_t = Impl::Ours)]
     implementation: Impl,
@@ -167,6 +171,22 @@ fn main() -> anyhow::Result<()> {
             .use_current_thread()
             .build_global()
             .context("building rayon's global pool around the calling thread")?;
+    }
+    if args.fma_peak {
+        let (gflops, isa) = fma_peak()?;
+        if args.json {
+            println!(
+                "{}",
+                serde_json::json!({"fma_peak_gflops": round3(gflops), "isa": isa,
+                    "threads": rayon::current_num_threads()})
+            );
+        } else {
+            println!(
+                "FMA peak: {gflops:.1} GFLOP/s ({isa}, {} threads)",
+                rayon::current_num_threads()
+            );
+        }
+        return Ok(());
     }
     let dtype = parse_dtype(&args.dtype)?;
     let (device, device_name) = select_device(&args.device)?;
@@ -630,4 +650,80 @@ fn peak_rss_mib() -> anyhow::Result<f64> {
 /// table shows its own peak; best effort.
 fn reset_peak_rss() {
     let _ = std::fs::write("/proc/self/clear_refs", "5");
+}
+
+/// GFLOP/s of independent vector FMAs on every rayon thread at once (best of 5 runs of
+/// ~0.2 s), and the instruction set used.
+fn fma_peak() -> anyhow::Result<(f64, &'static str)> {
+    #[cfg(target_arch = "x86_64")]
+    {
+        let (isa, lanes, run): (&str, usize, fn(u64) -> f32) =
+            if is_x86_feature_detected!("avx512f") {
+                ("avx512f", 16, |n| unsafe { fma_loop_avx512(n) })
+            } else if is_x86_feature_detected!("avx2") && is_x86_feature_detected!("fma") {
+                ("avx2+fma", 8, |n| unsafe { fma_loop_avx2(n) })
+            } else {
+                bail!("--fma-peak needs AVX-512F or AVX2 + FMA");
+            };
+        const ITERS: u64 = 20_000_000;
+        let threads = rayon::current_num_threads();
+        let mut best = 0f64;
+        for _ in 0..5 {
+            let t = Instant::now();
+            let sink: f32 = rayon::broadcast(|_| run(ITERS)).iter().sum();
+            let secs = t.elapsed().as_secs_f64();
+            std::hint::black_box(sink);
+            // FMA_CHAINS independent FMAs per iteration, 2 flops per lane each.
+            let flops = (ITERS * FMA_CHAINS as u64 * lanes as u64 * 2 * threads as u64) as f64;
+            best = best.max(flops / secs / 1e9);
+        }
+        Ok((best, isa))
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    bail!("--fma-peak is implemented for x86-64 only")
+}
+
+/// Independent accumulator chains: enough to cover the FMA latency on two ports.
+const FMA_CHAINS: usize = 12;
+
+/// # Safety
+/// The CPU must have AVX-512F.
+// Stable AVX-512 intrinsics (Rust 1.89), which candle-core 0.11 needs on x86-64 anyway.
+#[allow(clippy::incompatible_msrv)]
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f")]
+unsafe fn fma_loop_avx512(iters: u64) -> f32 {
+    use std::arch::x86_64::*;
+    let a = _mm512_set1_ps(0.999_999);
+    let b = _mm512_set1_ps(1e-7);
+    let mut acc = [_mm512_set1_ps(1.0); FMA_CHAINS];
+    for _ in 0..iters {
+        for c in acc.iter_mut() {
+            *c = _mm512_fmadd_ps(*c, a, b);
+        }
+    }
+    acc.iter().map(|&c| _mm512_reduce_add_ps(c)).sum()
+}
+
+/// # Safety
+/// The CPU must have AVX2 and FMA.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,fma")]
+unsafe fn fma_loop_avx2(iters: u64) -> f32 {
+    use std::arch::x86_64::*;
+    let a = _mm256_set1_ps(0.999_999);
+    let b = _mm256_set1_ps(1e-7);
+    let mut acc = [_mm256_set1_ps(1.0); FMA_CHAINS];
+    for _ in 0..iters {
+        for c in acc.iter_mut() {
+            *c = _mm256_fmadd_ps(*c, a, b);
+        }
+    }
+    let mut out = [0f32; 8];
+    let mut sum = 0.0;
+    for c in acc {
+        _mm256_storeu_ps(out.as_mut_ptr(), c);
+        sum += out.iter().sum::<f32>();
+    }
+    sum
 }

@@ -25,7 +25,7 @@ use common::Sentences;
 use serde::Serialize;
 
 /// Batches per window of sentences sorted together: enough for batches of like lengths.
-const WINDOW_BATCHES: usize = 16;
+const WINDOW_BATCHES: usize = 128;
 
 /// Text mode prints the full similarity table up to this many sentences, and each
 /// sentence's nearest neighbour beyond.

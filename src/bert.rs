@@ -8,6 +8,7 @@ use candle_nn::{Embedding, LayerNorm, Module, VarBuilder};
 use crate::checkpoint::Checkpoint;
 use crate::config::{AttentionConfig, HfConfig};
 use crate::error::{Error, Result};
+use crate::kernels::feed_forward::{FeedForwardTensors, PackedFeedForward};
 use crate::layout::WeightLayout;
 use crate::mask::AttentionMask;
 use crate::multi_head::{linear, MultiHeadSelfAttention};
@@ -161,6 +162,9 @@ pub struct BertLayer {
     output: Dense,
     output_norm: LayerNorm,
     activation: Activation,
+    /// The feed-forward half on the CPU kernels (f32 weights that track no gradients, exact
+    /// GELU); `None` elsewhere.
+    packed: Option<PackedFeedForward>,
 }
 
 impl BertLayer {
@@ -187,17 +191,34 @@ impl BertLayer {
                 .get_unchecked("weight")?
                 .dim(0)?,
         };
+        let attention_norm = layer_norm(
+            vb.pp("attention").pp("output").pp("LayerNorm"),
+            d,
+            cfg.layer_norm_eps,
+        )?;
+        let intermediate = Dense::load(vb.pp("intermediate").pp("dense"), d, inter)?;
+        let output = Dense::load(vb.pp("output").pp("dense"), inter, d)?;
+        let output_norm = layer_norm(vb.pp("output").pp("LayerNorm"), d, cfg.layer_norm_eps)?;
+        let activation = Activation::from_name(&cfg.hidden_act)?;
+        let packed = match activation {
+            Activation::Gelu => PackedFeedForward::pack(FeedForwardTensors {
+                attention_norm: &attention_norm,
+                intermediate_weight: &intermediate.weight,
+                intermediate_bias: &intermediate.bias,
+                output_weight: &output.weight,
+                output_bias: &output.bias,
+                output_norm: &output_norm,
+            })?,
+            _ => None,
+        };
         Ok(Self {
             attention,
-            attention_norm: layer_norm(
-                vb.pp("attention").pp("output").pp("LayerNorm"),
-                d,
-                cfg.layer_norm_eps,
-            )?,
-            intermediate: Dense::load(vb.pp("intermediate").pp("dense"), d, inter)?,
-            output: Dense::load(vb.pp("output").pp("dense"), inter, d)?,
-            output_norm: layer_norm(vb.pp("output").pp("LayerNorm"), d, cfg.layer_norm_eps)?,
-            activation: Activation::from_name(&cfg.hidden_act)?,
+            attention_norm,
+            intermediate,
+            output,
+            output_norm,
+            activation,
+            packed,
         })
     }
 
@@ -216,6 +237,11 @@ impl BertLayer {
         need_weights: bool,
     ) -> Result<(Tensor, Option<Tensor>)> {
         let attn = self.attention.attend(x, None, mask, need_weights)?;
+        if let Some(packed) = &self.packed {
+            if let Some(out) = packed.forward(&attn.context, x)? {
+                return Ok((out, attn.weights));
+            }
+        }
         let h = self.attention_norm.forward(&(attn.context + x)?)?;
         let ff = self.activation.apply(&self.intermediate.forward(&h)?)?;
         let out = self

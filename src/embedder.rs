@@ -3,6 +3,9 @@
 //! return the rows in input order.
 
 use candle_core::{DType, Device, Tensor};
+use std::sync::Mutex;
+
+use rayon::prelude::*;
 
 use crate::batching::length_sorted_batches;
 use crate::bert::{l2_normalize, mean_pool, BertEncoder};
@@ -67,32 +70,55 @@ impl<'m> Embedder<'m> {
     }
 
     /// [`Embedder::embed`], calling `done(n)` after each batch of `n` sentences.
+    ///
+    /// On the CPU, batches run side by side on rayon's threads (each batch's products are
+    /// parallel too, and an idle thread takes work from either): no thread waits at the
+    /// end of every small product for the other.
     pub fn embed_with_progress(
         &self,
         texts: &[&str],
-        mut done: impl FnMut(usize),
+        done: impl FnMut(usize) + Send,
     ) -> Result<Vec<Vec<f32>>> {
+        // Tokenizing is serial work between the parallel products: spread it too.
         let items = texts
-            .iter()
+            .par_iter()
             .map(|t| self.text.encode(t))
             .collect::<Result<Vec<_>>>()?;
         let lengths: Vec<usize> = items.iter().map(EncodedText::len).collect();
         let mut slots: Vec<Option<EncodedText>> = items.into_iter().map(Some).collect();
-        let mut rows = vec![Vec::new(); texts.len()];
-        for batch in length_sorted_batches(&lengths, self.batch_size)? {
-            let members = batch
-                .iter()
-                .map(|&i| {
-                    slots[i]
-                        .take()
-                        .ok_or_else(|| Error::config("a batch plan listed a sentence twice"))
-                })
-                .collect::<Result<Vec<_>>>()?;
+        let batches = length_sorted_batches(&lengths, self.batch_size)?
+            .into_iter()
+            .map(|batch| {
+                let members = batch
+                    .iter()
+                    .map(|&i| {
+                        slots[i]
+                            .take()
+                            .ok_or_else(|| Error::config("a batch plan listed a sentence twice"))
+                    })
+                    .collect::<Result<Vec<_>>>()?;
+                Ok((batch, members))
+            })
+            .collect::<Result<Vec<_>>>()?;
+        let done = Mutex::new(done);
+        let run = |(batch, members): (Vec<usize>, Vec<EncodedText>)| {
             let embedded = self.embed_batch(&self.text.pad(members, &self.device)?)?;
-            for (&i, row) in batch.iter().zip(embedded.to_vec2::<f32>()?) {
+            let rows = embedded.to_vec2::<f32>()?;
+            if let Ok(mut done) = done.lock() {
+                done(batch.len());
+            }
+            Ok((batch, rows))
+        };
+        let embedded: Vec<(Vec<usize>, Vec<Vec<f32>>)> = if self.device.is_cpu() {
+            batches.into_par_iter().map(run).collect::<Result<_>>()?
+        } else {
+            batches.into_iter().map(run).collect::<Result<_>>()?
+        };
+        let mut rows = vec![Vec::new(); texts.len()];
+        for (batch, embedded) in embedded {
+            for (i, row) in batch.into_iter().zip(embedded) {
                 rows[i] = row;
             }
-            done(batch.len());
         }
         Ok(rows)
     }

@@ -17,10 +17,13 @@
 //! Matrix products go through the `gemm` crate (the AVX-512 / AVX2 kernels candle's CPU
 //! matmul uses); the softmax's `exp` is vectorised in [`simd`].
 
+pub(crate) mod activation;
 pub(crate) mod backward;
 pub(crate) mod cpu_tensor;
+pub(crate) mod feed_forward;
 mod flash;
 pub(crate) mod gemv;
+pub(crate) mod layer_norm;
 mod mask_plan;
 mod matrix;
 mod microkernel;

@@ -12,6 +12,7 @@
 
 use rayon::prelude::*;
 
+use super::activation::gelu_erf_in_place;
 use super::matrix::MatRef;
 use super::microkernel::{self, panel_product, Start};
 use crate::error::{Error, Result};
@@ -144,6 +145,15 @@ impl OutPtr {
     }
 }
 
+/// What a task does to its block of outputs right after computing it (still in cache).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Epilogue {
+    /// Nothing: `x W + b`.
+    None,
+    /// The exact GELU: `gelu(x W + b)`.
+    GeluErf,
+}
+
 /// `x W[:, cols] + b` for the columns of `segments`: returns `(m, cols)` row-major.
 ///
 /// # Shapes
@@ -155,6 +165,17 @@ pub(crate) fn linear(
     w: &PackedWeight,
     segments: std::ops::Range<usize>,
     bias: Option<&[f32]>,
+) -> Result<Vec<f32>> {
+    linear_then(x, w, segments, bias, Epilogue::None)
+}
+
+/// [`linear`], then `epilogue` on each task's block of outputs.
+pub(crate) fn linear_then(
+    x: MatRef<'_>,
+    w: &PackedWeight,
+    segments: std::ops::Range<usize>,
+    bias: Option<&[f32]>,
+    epilogue: Epilogue,
 ) -> Result<Vec<f32>> {
     let (c0, c1) = w.segment_columns(segments.clone())?;
     let (m, cols) = (x.rows, c1 - c0);
@@ -206,6 +227,15 @@ pub(crate) fn linear(
                     None => Start::Zero,
                 },
             )
+        }
+        if epilogue == Epilogue::GeluErf {
+            for r in r0..r0 + rows {
+                // SAFETY: the same block of the output this task just wrote, and only it.
+                let block = unsafe {
+                    std::slice::from_raw_parts_mut(ptr.get().add(r * cols + col), panel.width)
+                };
+                gelu_erf_in_place(block);
+            }
         }
     };
     if m > 0 && cols > 0 {
