@@ -5,6 +5,7 @@
 
 use rayon::prelude::*;
 
+use super::f16_kernels;
 use crate::error::{Error, Result};
 
 /// Independent partial sums per dot product (one AVX-512 vector, two AVX2 ones); 32 and 64
@@ -17,6 +18,39 @@ const ROWS_PER_TASK: usize = 256;
 /// A weight element the kernels widen to f32 as they read it (f32 sums).
 pub(crate) trait Widen: Copy + Send + Sync {
     fn widen(self) -> f32;
+
+    /// `sum a[i] b[i]` by a kernel of this type's own, where it has one.
+    fn dot_special(_a: &[Self], _b: &[f32]) -> Option<f32> {
+        None
+    }
+
+    /// `ys += x W[:, j0..]` (see [`add_columns`]) by a kernel of this type's own.
+    fn add_columns_special(
+        _w: &[Self],
+        _x: &[f32],
+        _out: usize,
+        _j0: usize,
+        _ys: &mut [f32],
+    ) -> bool {
+        false
+    }
+}
+
+impl Widen for half::f16 {
+    #[inline(always)]
+    fn widen(self) -> f32 {
+        self.to_f32()
+    }
+
+    /// The hardware conversion (F16C / AVX-512F): the compiler cannot vectorise the
+    /// scalar one.
+    fn dot_special(a: &[Self], b: &[f32]) -> Option<f32> {
+        super::f16_kernels::dot(a, b)
+    }
+
+    fn add_columns_special(w: &[Self], x: &[f32], out: usize, j0: usize, ys: &mut [f32]) -> bool {
+        super::f16_kernels::add_columns(w, x, out, j0, ys)
+    }
 }
 
 impl Widen for f32 {
@@ -72,6 +106,9 @@ fn check(weights: usize, x: &[f32], bias: Option<&[f32]>, y: &[f32]) -> Result<(
 
 /// `sum a[i] b[i]`, with the widest vectors the CPU has.
 fn dot<T: Widen>(a: &[T], b: &[f32]) -> f32 {
+    if let Some(v) = T::dot_special(a, b) {
+        return v;
+    }
     #[cfg(target_arch = "x86_64")]
     {
         let (avx512, avx2) = wide_vectors();
@@ -145,24 +182,65 @@ pub(crate) fn gemv_t<T: Widen>(
     const COLS: usize = 256;
     y.par_chunks_mut(COLS).enumerate().for_each(|(c, ys)| {
         let j0 = c * COLS;
-        let n = ys.len();
         match bias {
-            Some(b) => ys.copy_from_slice(&b[j0..j0 + n]),
+            Some(b) => ys.copy_from_slice(&b[j0..j0 + ys.len()]),
             None => ys.fill(0.0),
         }
-        for (k, &xk) in x.iter().enumerate() {
-            for (yv, wv) in ys.iter_mut().zip(&w[k * out + j0..k * out + j0 + n]) {
-                *yv += xk * wv.widen();
-            }
-        }
+        add_columns(w, x, out, j0, ys);
     });
     Ok(())
 }
 
+/// `ys += x W[:, j0..j0 + ys.len()]` for `W` `(in, out)`, with the widest vectors the CPU
+/// has.
+fn add_columns<T: Widen>(w: &[T], x: &[f32], out: usize, j0: usize, ys: &mut [f32]) {
+    if T::add_columns_special(w, x, out, j0, ys) {
+        return;
+    }
+    #[cfg(target_arch = "x86_64")]
+    {
+        let (avx512, avx2) = wide_vectors();
+        if avx512 {
+            // SAFETY: the CPU has AVX-512F (checked by `wide_vectors`).
+            return unsafe { add_columns_avx512(w, x, out, j0, ys) };
+        }
+        if avx2 {
+            // SAFETY: the CPU has AVX2 (checked by `wide_vectors`).
+            return unsafe { add_columns_avx2(w, x, out, j0, ys) };
+        }
+    }
+    add_columns_lanes(w, x, out, j0, ys);
+}
+
+/// [`add_columns_lanes`] compiled for AVX-512.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f")]
+unsafe fn add_columns_avx512<T: Widen>(w: &[T], x: &[f32], out: usize, j0: usize, ys: &mut [f32]) {
+    add_columns_lanes(w, x, out, j0, ys);
+}
+
+/// [`add_columns_lanes`] compiled for AVX2.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2")]
+unsafe fn add_columns_avx2<T: Widen>(w: &[T], x: &[f32], out: usize, j0: usize, ys: &mut [f32]) {
+    add_columns_lanes(w, x, out, j0, ys);
+}
+
+/// One row of `W` at a time, added to all of `ys` (vectorised by the compiler).
+#[inline(always)]
+fn add_columns_lanes<T: Widen>(w: &[T], x: &[f32], out: usize, j0: usize, ys: &mut [f32]) {
+    let n = ys.len();
+    for (k, &xk) in x.iter().enumerate() {
+        for (yv, wv) in ys.iter_mut().zip(&w[k * out + j0..k * out + j0 + n]) {
+            *yv += xk * wv.widen();
+        }
+    }
+}
+
 /// `x W^T + b` for `W` `(out, in)` (`rows`) or `x W + b` for `W` `(in, out)`, on the
 /// matrix-vector kernels when `x` is one row on the CPU, nothing tracks gradients and `W`
-/// is a contiguous f32 or bf16 tensor; `None` otherwise (the caller multiplies: candle's
-/// f16 product, on F16C, was measured faster than widening f16 here).
+/// is a contiguous f32 or bf16 tensor, or f16 on a CPU with the hardware conversion
+/// (AVX-512F, or AVX2 + F16C + FMA); `None` otherwise (the caller multiplies).
 ///
 /// # Shapes
 /// - `x`: `(..., in)` holding one row; returns `(..., out)` in `x`'s dtype
@@ -199,6 +277,12 @@ pub(crate) fn one_row_linear(
             (Storage::Cpu(CpuStorage::F32(v)), false) => gemv_t(&v[s..e], &xs, bs, &mut y)?,
             (Storage::Cpu(CpuStorage::BF16(v)), true) => gemv(&v[s..e], &xs, bs, &mut y)?,
             (Storage::Cpu(CpuStorage::BF16(v)), false) => gemv_t(&v[s..e], &xs, bs, &mut y)?,
+            (Storage::Cpu(CpuStorage::F16(v)), true) if f16_kernels::available() => {
+                gemv(&v[s..e], &xs, bs, &mut y)?
+            }
+            (Storage::Cpu(CpuStorage::F16(v)), false) if f16_kernels::available() => {
+                gemv_t(&v[s..e], &xs, bs, &mut y)?
+            }
             _ => return Ok(None),
         }
     }
@@ -242,7 +326,7 @@ mod tests {
     }
 
     #[test]
-    fn bf16_and_transposed_forms_equal_the_f32_one() -> Result<()> {
+    fn half_and_transposed_forms_equal_the_f32_one() -> Result<()> {
         let (out, inp) = (700, 600);
         let w: Vec<f32> = (0..out * inp)
             .map(|i| ((i * 31 % 17) as f32 - 8.0) / 8.0)
@@ -274,6 +358,13 @@ mod tests {
         let wtb: Vec<half::bf16> = wt.iter().map(|&v| half::bf16::from_f32(v)).collect();
         gemv_t(&wtb, &x, Some(&b), &mut got)?;
         close(&got, "bf16 transposed");
+        // f16: the hardware conversion where the CPU has it, the scalar one elsewhere.
+        let wh: Vec<half::f16> = w.iter().map(|&v| half::f16::from_f32(v)).collect();
+        gemv(&wh, &x, Some(&b), &mut got)?;
+        close(&got, "f16 rows");
+        let wth: Vec<half::f16> = wt.iter().map(|&v| half::f16::from_f32(v)).collect();
+        gemv_t(&wth, &x, Some(&b), &mut got)?;
+        close(&got, "f16 transposed");
         Ok(())
     }
 }

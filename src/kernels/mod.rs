@@ -20,6 +20,7 @@
 pub(crate) mod activation;
 pub(crate) mod backward;
 pub(crate) mod cpu_tensor;
+mod f16_kernels;
 pub(crate) mod feed_forward;
 mod flash;
 pub(crate) mod gemv;
