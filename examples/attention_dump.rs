@@ -283,9 +283,11 @@ fn print_view(
         (Some(_), Some(_)) => "chosen with --layer and --head",
         (None, Some(_)) => "chosen with --head; the layer where it is sharpest",
         (Some(_), None) => {
-            "the sharpest head of this layer: lowest mean row entropy over the words"
+            "the sharpest head of this layer that relates words to other words, not to themselves, their neighbours or [CLS]/[SEP]"
         }
-        (None, None) => "sharpest pattern: lowest mean row entropy over the words",
+        (None, None) => {
+            "the sharpest head that relates words to other words, not to themselves, their neighbours or [CLS]/[SEP]"
+        }
     };
     let layer = view.layer_ids[lp];
     let head = view.head_ids[hp];

@@ -113,32 +113,61 @@ impl AttentionDump {
         }
     }
 
-    /// `(layer position, head position)` of the head whose rows are most focused: the
-    /// lowest mean row entropy over the non-special tokens (rows renormalised after
-    /// dropping special-token keys), so heads that only park weight on `[CLS]`/`[SEP]`
-    /// are not picked.
+    /// `(layer position, head position)` of the head to show a person: among the heads
+    /// that relate words to other words (at least half of the words' weight on words two
+    /// or more positions away, not on the token itself, its neighbours or special tokens;
+    /// the most such heads when none reaches half), the one whose rows are most focused
+    /// (lowest mean row entropy over the non-special tokens, rows renormalised after
+    /// dropping special-token keys). Identity, previous/next-token and `[CLS]`/`[SEP]`
+    /// parking heads are so left out.
     pub fn sharpest_head(&self, special: &[bool]) -> (usize, usize) {
         self.sharpest_among(special, None)
     }
 
     /// Like [`AttentionDump::sharpest_head`], restricted to head position `head` when given
-    /// (the sharpest layer for that head).
+    /// (the layer where that head is picked).
     pub fn sharpest_among(&self, special: &[bool], head: Option<usize>) -> (usize, usize) {
-        let mut best = (0, head.unwrap_or(0));
-        let mut best_score = f32::INFINITY;
-        for (l, heads) in self.attentions.iter().enumerate() {
-            for (h, m) in heads.iter().enumerate() {
-                if head.is_some_and(|only| only != h) {
-                    continue;
-                }
-                let score = mean_entropy(m, special);
-                if score < best_score {
-                    best_score = score;
-                    best = (l, h);
-                }
-            }
-        }
-        best
+        let heads: Vec<(usize, usize, f32, f32)> = self
+            .attentions
+            .iter()
+            .enumerate()
+            .flat_map(|(l, heads)| heads.iter().enumerate().map(move |(h, m)| (l, h, m)))
+            .filter(|(_, h, _)| head.is_none_or(|only| only == *h))
+            .map(|(l, h, m)| (l, h, relational_share(m, special), mean_entropy(m, special)))
+            .collect();
+        let most = heads.iter().map(|x| x.2).fold(0f32, f32::max);
+        let needed = most.min(RELATIONAL_SHARE);
+        heads
+            .iter()
+            .filter(|x| x.2 >= needed)
+            .min_by(|a, b| a.3.total_cmp(&b.3))
+            .map_or((0, head.unwrap_or(0)), |x| (x.0, x.1))
+    }
+}
+
+/// Share of the words' weight on other words that a head needs to count as relating words.
+const RELATIONAL_SHARE: f32 = 0.5;
+
+/// Mean over the non-special rows of the weight on non-special keys at least two
+/// positions away.
+fn relational_share(m: &[Vec<f32>], special: &[bool]) -> f32 {
+    let keep = |i: usize| !special.get(i).copied().unwrap_or(false);
+    let rows: Vec<f32> = m
+        .iter()
+        .enumerate()
+        .filter(|(i, _)| keep(*i))
+        .map(|(i, row)| {
+            row.iter()
+                .enumerate()
+                .filter(|(j, _)| keep(*j) && i.abs_diff(*j) > 1)
+                .map(|(_, w)| w)
+                .sum::<f32>()
+        })
+        .collect();
+    if rows.is_empty() {
+        0.0
+    } else {
+        rows.iter().sum::<f32>() / rows.len() as f32
     }
 }
 
@@ -242,5 +271,55 @@ mod tests {
         for row in a {
             assert!((row.iter().sum::<f32>() - 1.0).abs() < 1e-5);
         }
+    }
+
+    /// One head per kind on 8 tokens (`[CLS]`, six words, `[SEP]`): the relational head is
+    /// picked over sharper identity, previous-token and `[SEP]`-parking heads.
+    #[test]
+    fn the_head_shown_relates_words_to_other_words() {
+        let n = 8;
+        let special: Vec<bool> = (0..n).map(|i| i == 0 || i == n - 1).collect();
+        let head = |f: &dyn Fn(usize) -> usize| -> Vec<Vec<f32>> {
+            (0..n)
+                .map(|i| {
+                    let mut row = vec![0.02f32; n];
+                    row[f(i)] += 1.0 - 0.02 * n as f32;
+                    row
+                })
+                .collect()
+        };
+        let identity = head(&|i| i);
+        let previous = head(&|i| i.saturating_sub(1));
+        let parking = head(&|_| n - 1);
+        // Each word looks at the word three places away (a broader, less sharp pattern).
+        let relational: Vec<Vec<f32>> = (0..n)
+            .map(|i| {
+                let mut row = vec![0.05f32; n];
+                row[(i + 3) % n] += 0.6;
+                let s: f32 = row.iter().sum();
+                row.iter().map(|w| w / s).collect()
+            })
+            .collect();
+        let dump = AttentionDump {
+            model: "m".into(),
+            text: "t".into(),
+            tokens: (0..n).map(|i| format!("t{i}")).collect(),
+            shape: [2, 2, n, n],
+            attentions: vec![vec![identity.clone(), previous], vec![parking, relational]],
+            layer_ids: vec![0, 1],
+            head_ids: vec![0, 1],
+        };
+        assert_eq!(dump.sharpest_head(&special), (1, 1));
+        // Restricted to head 0 (identity or parking), the most relational of those.
+        assert_eq!(dump.sharpest_among(&special, Some(0)).1, 0);
+        // Without a relational head, the identity head is still shown, not nothing.
+        let only = AttentionDump {
+            attentions: vec![vec![identity]],
+            shape: [1, 1, n, n],
+            layer_ids: vec![0],
+            head_ids: vec![0],
+            ..dump
+        };
+        assert_eq!(only.sharpest_head(&special), (0, 0));
     }
 }
