@@ -19,8 +19,9 @@ use crate::error::{Error, Result};
 
 /// Output columns per panel (3 AVX-512 registers, or two 4 x 24 AVX2 tiles).
 const PANEL: usize = 48;
-/// Rows per task: a block of activations stays in L2 while the panels stream by.
-const MB: usize = 256;
+/// Rows per task: a block of activations stays in L2 while the panels stream by (128
+/// measured faster than 256 and 64, see docs/performance.md).
+const MB: usize = 128;
 
 /// One panel: columns `col..col + width` of the weight.
 #[derive(Debug, Clone, Copy)]
