@@ -236,9 +236,21 @@ impl BertLayer {
         mask: Option<&AttentionMask>,
         need_weights: bool,
     ) -> Result<(Tensor, Option<Tensor>)> {
+        self.forward_rows(x, mask, need_weights, None)
+    }
+
+    /// [`BertLayer::forward`]; `real_rows` (indices into the `batch * seq` rows) lets the
+    /// CPU kernels skip the feed-forward on padding rows, whose outputs nothing reads.
+    fn forward_rows(
+        &self,
+        x: &Tensor,
+        mask: Option<&AttentionMask>,
+        need_weights: bool,
+        real_rows: Option<&[usize]>,
+    ) -> Result<(Tensor, Option<Tensor>)> {
         let attn = self.attention.attend(x, None, mask, need_weights)?;
         if let Some(packed) = &self.packed {
-            if let Some(out) = packed.forward(&attn.context, x)? {
+            if let Some(out) = packed.forward(&attn.context, x, real_rows)? {
                 return Ok((out, attn.weights));
             }
         }
@@ -352,6 +364,11 @@ impl BertEncoder {
     /// - `attention_mask`: `(batch, seq)` 0/1, 1 = real token
     /// - returns: hidden states `(batch, seq, hidden)`, attentions per layer
     ///   `(batch, heads, seq, seq)` when `output_attentions`
+    ///
+    /// The rows of padding positions (0 in `attention_mask`) carry no meaning (their keys
+    /// are masked, pooling leaves them out); on the CPU in f32 they skip the feed-forward,
+    /// so they differ from transformers' (as with text-embeddings-inference's packed rows).
+    /// The real tokens' rows do not depend on the padding.
     pub fn forward(
         &self,
         input_ids: &Tensor,
@@ -385,10 +402,20 @@ impl BertEncoder {
             Some(m) => Some(AttentionMask::padding(m)?),
             None => None,
         };
+        // The real tokens' rows, for the CPU kernels to skip padding (None: no padding).
+        let real_rows: Option<Vec<usize>> = match attention_mask {
+            Some(m) if m.device().is_cpu() => {
+                let keep: Vec<u8> = m.ne(0u32)?.flatten_all()?.to_vec1()?;
+                let real: Vec<usize> = (0..keep.len()).filter(|&i| keep[i] != 0).collect();
+                (real.len() < keep.len()).then_some(real)
+            }
+            _ => None,
+        };
         let mut x = self.embeddings.forward(input_ids, token_type_ids)?;
         let mut attentions = output_attentions.then(Vec::new);
         for layer in &self.layers {
-            let (next, w) = layer.forward(&x, mask.as_ref(), output_attentions)?;
+            let (next, w) =
+                layer.forward_rows(&x, mask.as_ref(), output_attentions, real_rows.as_deref())?;
             x = next;
             if let (Some(all), Some(w)) = (attentions.as_mut(), w) {
                 all.push(w);

@@ -133,7 +133,12 @@ fn f16_weights_stay_close_to_f32() -> anyhow::Result<()> {
         .zip(b.attentions.expect("b").iter())
     {
         assert!(!common::has_non_finite(y)?);
-        assert_close(y, x, 2e-2, "f16 compute vs f32 compute")?;
+        // The real tokens' rows (padding rows skip the feed-forward on the CPU kernels).
+        for (i, item) in batch.items.iter().enumerate() {
+            let n = item.len();
+            let (xi, yi) = (x.i(i)?.narrow(1, 0, n)?, y.i(i)?.narrow(1, 0, n)?);
+            assert_close(&yi, &xi, 2e-2, "f16 compute vs f32 compute")?;
+        }
     }
     Ok(())
 }

@@ -120,16 +120,24 @@ impl PackedFeedForward {
     /// `LN(W2 gelu(W1 h + b1) + b2 + h)` with `h = LN(context + x)`; `None` when an input
     /// is not an f32 CPU tensor or tracks gradients (the caller runs candle's ops).
     ///
+    /// `real_rows` (indices into the `batch * seq` rows) skips the feed-forward on padding:
+    /// the other rows come out as `h` (nothing reads them: they are masked as keys and
+    /// left out of pooling).
+    ///
     /// # Shapes
     /// - `context`, `x`: `(batch, seq, hidden)`; returns `(batch, seq, hidden)`
-    pub fn forward(&self, context: &Tensor, x: &Tensor) -> Result<Option<Tensor>> {
+    pub fn forward(
+        &self,
+        context: &Tensor,
+        x: &Tensor,
+        real_rows: Option<&[usize]>,
+    ) -> Result<Option<Tensor>> {
         let ok = |t: &Tensor| t.device().is_cpu() && t.dtype() == DType::F32 && !t.track_op();
         if !ok(context) || !ok(x) || context.dims() != x.dims() {
             return Ok(None);
         }
         let (b, t, d) = x.dims3()?;
-        let (k, inter) = self.intermediate.dims();
-        if k != d {
+        if self.intermediate.dims().0 != d {
             return Ok(None);
         }
         let rows = b * t;
@@ -140,6 +148,28 @@ impl PackedFeedForward {
             let n = &self.attention_norm;
             add_layer_norm_in_place(&mut h, x.contiguous()?, &n.gamma, &n.beta, n.eps)?;
         }
+        let y = match real_rows {
+            Some(real) if real.len() < rows && real.iter().all(|&r| r < rows) => {
+                let mut hr = Vec::with_capacity(real.len() * d);
+                for &r in real {
+                    hr.extend_from_slice(&h[r * d..(r + 1) * d]);
+                }
+                let yr = self.rows(hr)?;
+                let mut y = h;
+                for (i, &r) in real.iter().enumerate() {
+                    y[r * d..(r + 1) * d].copy_from_slice(&yr[i * d..(i + 1) * d]);
+                }
+                y
+            }
+            _ => self.rows(h)?,
+        };
+        Ok(Some(Tensor::from_vec(y, (b, t, d), x.device())?))
+    }
+
+    /// `LN(W2 gelu(W1 h + b1) + b2 + h)` for the rows of `h` `(rows, hidden)`.
+    fn rows(&self, h: Vec<f32>) -> Result<Vec<f32>> {
+        let (d, inter) = self.intermediate.dims();
+        let rows = h.len() / d.max(1);
         // Rows in chunks, so the (rows, inter) intermediate stays a few MiB for any batch.
         let mut y = Vec::with_capacity(rows * d);
         for r0 in (0..rows).step_by(CHUNK_ROWS) {
@@ -161,7 +191,7 @@ impl PackedFeedForward {
         }
         let n = &self.output_norm;
         add_layer_norm_in_place(&mut y, &h, &n.gamma, &n.beta, n.eps)?;
-        Ok(Some(Tensor::from_vec(y, (b, t, d), x.device())?))
+        Ok(y)
     }
 }
 
@@ -207,7 +237,7 @@ mod tests {
         .ok_or_else(|| crate::Error::Kernel("not packed".into()))?;
         let (context, x) = (values(&[b, t, d], 9, 1.0)?, values(&[b, t, d], 10, 2.0)?);
         let got = packed
-            .forward(&context, &x)?
+            .forward(&context, &x, None)?
             .ok_or_else(|| crate::Error::Kernel("not run".into()))?;
         let h = n1.forward(&(&context + &x)?)?;
         let g = h
@@ -215,12 +245,27 @@ mod tests {
             .broadcast_add(&b1)?
             .gelu_erf()?;
         let y = g.broadcast_matmul(&w2.t()?)?.broadcast_add(&b2)?;
-        let want = n2.forward(&(y + h)?)?;
-        let diff = (got - want)?.abs()?.max_all()?.to_scalar::<f32>()?;
+        let want = n2.forward(&(y + &h)?)?;
+        let diff = (got - &want)?.abs()?.max_all()?.to_scalar::<f32>()?;
         assert!(diff < 1e-4, "packed vs candle: {diff}");
+        // Only some rows: those equal the full computation, the others are `h`.
+        let real = [0usize, 2, 3, 7, 20];
+        let some = packed
+            .forward(&context, &x, Some(&real))?
+            .ok_or_else(|| crate::Error::Kernel("not run".into()))?
+            .reshape((b * t, d))?;
+        let (full, h2) = (want.reshape((b * t, d))?, h.reshape((b * t, d))?);
+        for r in 0..b * t {
+            let expect = if real.contains(&r) { &full } else { &h2 };
+            let diff = (some.get(r)? - expect.get(r)?)?
+                .abs()?
+                .max_all()?
+                .to_scalar::<f32>()?;
+            assert!(diff < 1e-4, "row {r}: {diff}");
+        }
         // Inputs that track gradients go back to candle's ops.
         let var = candle_core::Var::from_tensor(&x)?;
-        assert!(packed.forward(&context, var.as_tensor())?.is_none());
+        assert!(packed.forward(&context, var.as_tensor(), None)?.is_none());
         Ok(())
     }
 }
