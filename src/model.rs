@@ -49,12 +49,13 @@ impl ModelResolver {
         Self::default()
     }
 
-    /// Resolves `spec`: `None` = the shipped default; an existing directory; or a
-    /// Hugging Face model id `org/name`, optionally `org/name@revision`.
+    /// Resolves `spec`: `None` = the default model (the copy in this repository's
+    /// `weights/`, or, where the crate is a dependency and ships without it, the hub id
+    /// [`DEFAULT_MODEL_NAME`], cache first); an existing directory; or a Hugging Face model
+    /// id `org/name`, optionally `org/name@revision`.
     pub fn resolve(&self, spec: Option<&str>) -> Result<ModelFiles> {
         let Some(spec) = spec else {
-            let dir = default_model_dir();
-            return from_dir(&dir, DEFAULT_MODEL_NAME);
+            return self.resolve_default_from(&default_model_dir());
         };
         let path = Path::new(spec);
         if path.is_dir() {
@@ -77,6 +78,28 @@ impl ModelResolver {
             });
         }
         self.resolve_hub(spec)
+    }
+
+    /// The default model: from `dir` when it holds `model.safetensors` (this repository's
+    /// `weights/`), else the hub id [`DEFAULT_MODEL_NAME`] (cache first; downloaded only
+    /// when online), with an error that says what to do when neither has it.
+    pub fn resolve_default_from(&self, dir: &Path) -> Result<ModelFiles> {
+        if dir.join("model.safetensors").is_file() {
+            return from_dir(dir, DEFAULT_MODEL_NAME);
+        }
+        self.resolve_hub(DEFAULT_MODEL_NAME).map_err(|e| match e {
+            Error::Model { model, reason } => Error::Model {
+                model,
+                reason: format!(
+                    "{reason}. The crate as a dependency ships without the default model \
+                     ({} is absent): run once with network access so that the hub cache \
+                     gets it, or pass a directory holding config.json, tokenizer.json and \
+                     model.safetensors",
+                    dir.display()
+                ),
+            },
+            other => other,
+        })
     }
 
     #[cfg(feature = "hub")]

@@ -460,3 +460,34 @@ fn attention_dump_reads_the_cache_offline() -> anyhow::Result<()> {
     );
     Ok(())
 }
+
+#[test]
+fn default_model_without_weights_dir_comes_from_the_hub_cache() -> anyhow::Result<()> {
+    use candle_attention::DEFAULT_MODEL_NAME;
+    let cache = HubCache::new("default")?;
+    let empty = cache.root.join("no-weights-here");
+    std::fs::create_dir_all(&empty)?;
+    // Not cached, offline: an error that says how to get the model.
+    let (model, reason) = model_error(cache.resolver().resolve_default_from(&empty))?;
+    ensure!(model == DEFAULT_MODEL_NAME, "model {model:?}");
+    for needle in [
+        "offline",
+        "network access",
+        "ships without the default model",
+    ] {
+        ensure!(reason.contains(needle), "reason lacks {needle:?}: {reason}");
+    }
+    // Cached under the hub id: resolved from the cache, same encoder as the shipped copy.
+    let files = shipped_files();
+    cache.add(DEFAULT_MODEL_NAME, "main", MAIN_COMMIT, &as_refs(&files))?;
+    let resolved = cache.resolver().resolve_default_from(&empty)?;
+    ensure!(resolved.name == DEFAULT_MODEL_NAME);
+    ensure!(resolved.weights[0].starts_with(&cache.root));
+    assert_same_as_shipped(resolved, "the default model from the cache")?;
+    // A directory with the weights wins over the cache.
+    let shipped = cache
+        .resolver()
+        .resolve_default_from(&repo_path("weights"))?;
+    ensure!(shipped.weights[0].starts_with(repo_path("weights")));
+    Ok(())
+}
