@@ -19,6 +19,7 @@ pub enum Error {
     /// A file could not be read.
     #[error("cannot read {path}: {cause}")]
     Io {
+        /// The file.
         path: PathBuf,
         /// What the operating system said (part of the message, so not repeated as a source).
         cause: std::io::Error,
@@ -26,7 +27,12 @@ pub enum Error {
 
     /// A file exists but is not a valid safetensors checkpoint (empty, truncated, bad header, ...).
     #[error("{path} is not a valid safetensors file: {reason}")]
-    InvalidCheckpoint { path: PathBuf, reason: String },
+    InvalidCheckpoint {
+        /// The file.
+        path: PathBuf,
+        /// What is wrong with it.
+        reason: String,
+    },
 
     /// A tensor a layout needs is not in the checkpoint.
     #[error("missing tensor `{name}` in the checkpoint; {}", available_hint(.name, .prefix, .available, *.total, *.listed))]
@@ -47,6 +53,7 @@ pub enum Error {
     /// A prefix under which the checkpoint holds no tensor at all.
     #[error("no tensor in the checkpoint starts with `{prefix}.`; its names start with: {}", .roots.join(", "))]
     PrefixNotFound {
+        /// The prefix asked for (without the trailing dot).
         prefix: String,
         /// Distinct first components of the names in the checkpoint (at most 32).
         roots: Vec<String>,
@@ -55,16 +62,22 @@ pub enum Error {
     /// A tensor exists but has the wrong shape.
     #[error("tensor `{tensor}` has shape {found:?}, expected {expected}")]
     ShapeMismatch {
+        /// Full dotted name of the tensor.
         tensor: String,
+        /// The shape it should have, in words or as dims.
         expected: String,
+        /// The dims it has.
         found: Vec<usize>,
     },
 
     /// A tensor exists but has a dtype that cannot be used (e.g. integers for a weight).
     #[error("tensor `{tensor}` has dtype {found}, expected {expected}")]
     WrongDtype {
+        /// Full dotted name of the tensor.
         tensor: String,
+        /// The dtypes it could have.
         expected: String,
+        /// The dtype it has.
         found: String,
     },
 
@@ -75,7 +88,9 @@ pub enum Error {
     /// A configuration (config.json or builder values) that makes no sense.
     #[error("invalid configuration{}: {message}", .path.as_ref().map(|p| format!(" in {}", p.display())).unwrap_or_default())]
     Config {
+        /// The config file, when the values came from one.
         path: Option<PathBuf>,
+        /// What is wrong.
         message: String,
     },
 
@@ -86,14 +101,22 @@ pub enum Error {
     /// An input tensor with the wrong rank, size or dtype.
     #[error("invalid input `{name}`: expected {expected}, found {found}")]
     Input {
+        /// The argument (`x`, `input_ids`, ...).
         name: String,
+        /// What it should be.
         expected: String,
+        /// What it is.
         found: String,
     },
 
     /// A sequence longer than the model's position table.
     #[error("sequence of {len} tokens is longer than the model's {max} positions (ask for truncation to cut it)")]
-    SequenceTooLong { len: usize, max: usize },
+    SequenceTooLong {
+        /// Tokens in the sequence.
+        len: usize,
+        /// Positions the model has.
+        max: usize,
+    },
 
     /// Text that cannot be encoded (empty input, tokenizer failure, ...).
     #[error("tokenizer: {0}")]
@@ -101,11 +124,21 @@ pub enum Error {
 
     /// A compute device that this build or this machine cannot provide.
     #[error("device `{requested}` is not available: {reason}")]
-    Device { requested: String, reason: String },
+    Device {
+        /// The device as asked for (`cuda:1`, `metal`, ...).
+        requested: String,
+        /// Why it cannot be had.
+        reason: String,
+    },
 
     /// A model could not be located (local directory or Hugging Face hub).
     #[error("cannot resolve model `{model}`: {reason}")]
-    Model { model: String, reason: String },
+    Model {
+        /// The model as named (directory or hub id).
+        model: String,
+        /// Why it cannot be found, and what to do.
+        reason: String,
+    },
 
     /// An allocation the machine cannot provide, reported before it is attempted (e.g. the
     /// attention weights of a long sequence).

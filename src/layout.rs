@@ -312,7 +312,10 @@ pub struct LinearWeights {
 }
 
 impl LinearWeights {
-    /// Wraps a weight `(out, in)` and an optional bias `(out,)`.
+    /// Wraps a weight and an optional bias.
+    ///
+    /// # Shapes
+    /// - `weight`: `(out, in)`, `bias`: `(out,)`
     pub fn new(weight: Tensor, bias: Option<Tensor>, name: impl Into<String>) -> Self {
         Self {
             weight,
@@ -330,8 +333,11 @@ impl LinearWeights {
 /// The attention projections of one layer, in the candle `Linear` convention.
 #[derive(Debug, Clone)]
 pub struct Projections {
+    /// W_Q `(heads * head_dim, hidden)` and its bias.
     pub q: LinearWeights,
+    /// W_K `(kv_heads * head_dim, kv_hidden)` and its bias.
     pub k: LinearWeights,
+    /// W_V `(kv_heads * v_head_dim, kv_hidden)` and its bias.
     pub v: LinearWeights,
     /// Output projection W_O, absent for single-head attention.
     pub o: Option<LinearWeights>,

@@ -21,6 +21,63 @@
 //!   backward, memory linear in the sequence). [`dispatch`] tells which implementation runs
 //!   a call.
 //!
+//! Three uses, in short (the README has more):
+//!
+//! Load a pretrained layer (see the example below the threading note) and run it; train a
+//! fresh one on a `VarMap` with candle-nn's optimizers:
+//!
+//! ```
+//! use candle_attention::{AttentionConfig, MultiHeadSelfAttention, WeightLayout};
+//! use candle_core::{DType, Device, Tensor};
+//! use candle_nn::{AdamW, Optimizer, VarBuilder, VarMap};
+//!
+//! # fn main() -> candle_attention::Result<()> {
+//! let (device, vm) = (Device::Cpu, VarMap::new());
+//! let vb = VarBuilder::from_varmap(&vm, DType::F32, &device);
+//! // nn.MultiheadAttention's names (attn.in_proj_weight, ...), candle-nn's initialisation.
+//! let cfg = AttentionConfig::new(WeightLayout::TorchMha, 4).with_hidden_size(32);
+//! let attn = MultiHeadSelfAttention::load(vb.pp("attn"), &cfg)?;
+//! let mut opt = AdamW::new_lr(vm.all_vars(), 1e-2)?;
+//! let x = Tensor::randn(0f32, 1.0, (2, 6, 32), &device)?; // (batch, seq, hidden)
+//! let loss = |attn: &MultiHeadSelfAttention| -> candle_attention::Result<Tensor> {
+//!     Ok(attn.forward(&x, None)?.context.sqr()?.mean_all()?)
+//! };
+//! let before = loss(&attn)?.to_scalar::<f32>()?;
+//! for _ in 0..5 {
+//!     opt.backward_step(&loss(&attn)?)?; // gradients reach the VarMap's variables
+//! }
+//! assert!(loss(&attn)?.to_scalar::<f32>()? < before);
+//! # Ok(()) }
+//! ```
+//!
+//! Decode step by step with the KV cache (here a tiny random LLaMA with grouped K/V heads;
+//! `LlamaModel::from_dir` loads a real checkpoint):
+//!
+//! ```
+//! use candle_attention::{argmax_ids, LlamaConfig, LlamaModel};
+//! use candle_core::{DType, Device, Tensor};
+//! use candle_nn::{VarBuilder, VarMap};
+//!
+//! # fn main() -> candle_attention::Result<()> {
+//! let cfg = LlamaConfig::from_json(
+//!     r#"{"model_type": "llama", "vocab_size": 64, "hidden_size": 32,
+//!         "intermediate_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4,
+//!         "num_key_value_heads": 2, "rms_norm_eps": 1e-5, "rope_theta": 10000.0,
+//!         "max_position_embeddings": 128, "tie_word_embeddings": true}"#,
+//! )?;
+//! let (device, vm) = (Device::Cpu, VarMap::new());
+//! let model = LlamaModel::load(VarBuilder::from_varmap(&vm, DType::F32, &device), &cfg)?;
+//! let mut caches = model.new_caches(64); // one per layer, grown by doubling past 64
+//! let prompt = Tensor::new(&[[1u32, 5, 9]], &device)?; // (batch, seq)
+//! let mut next = argmax_ids(&model.forward_last(&prompt, &mut caches)?)?[0];
+//! for _ in 0..8 {
+//!     let step = Tensor::new(&[[next]], &device)?; // one token, positions from the cache
+//!     next = argmax_ids(&model.forward_last(&step, &mut caches)?)?[0];
+//! }
+//! assert_eq!(caches[0].len(), 3 + 8);
+//! # Ok(()) }
+//! ```
+//!
 //! CPU kernels run on rayon's global pool (`RAYON_NUM_THREADS` threads). A call made from
 //! outside the pool is handed over to it while the caller sleeps (~10-15 µs per call,
 //! measured on a 2-core VM: ~4% of a sentence-scale layer). A latency-bound program that
@@ -49,6 +106,7 @@
 //! assert_eq!(out.context.dims(), &[1, 8, 384]);
 //! # Ok(()) }
 //! ```
+#![warn(missing_docs)]
 
 mod batching;
 mod bert;

@@ -34,14 +34,20 @@ pub struct LlamaConfig {
     /// `llama`, `mistral` or `qwen2`.
     #[serde(default)]
     pub model_type: Option<String>,
+    /// Width of the residual stream.
     pub hidden_size: usize,
+    /// Width of the MLP's gate and up projections.
     pub intermediate_size: usize,
+    /// Query heads.
     pub num_attention_heads: usize,
     /// Grouped K/V heads; absent means `num_attention_heads`.
     #[serde(default)]
     pub num_key_value_heads: Option<usize>,
+    /// Decoder layers.
     pub num_hidden_layers: usize,
+    /// Tokens in the vocabulary (rows of the embedding).
     pub vocab_size: usize,
+    /// RMSNorm's epsilon (default 1e-6).
     #[serde(default = "default_rms_eps")]
     pub rms_norm_eps: f64,
     /// Features per head where it is not `hidden_size / num_attention_heads`.
@@ -56,6 +62,7 @@ pub struct LlamaConfig {
     /// Qwen2: whether `sliding_window` applies (to the layers from `max_window_layers` on).
     #[serde(default)]
     pub use_sliding_window: bool,
+    /// Qwen2: the first layer index the sliding window applies to.
     #[serde(default)]
     pub max_window_layers: Option<usize>,
     /// Longest context the model was trained for.
@@ -64,6 +71,7 @@ pub struct LlamaConfig {
     /// One id or a list.
     #[serde(default)]
     pub eos_token_id: Option<Value>,
+    /// Beginning-of-sequence id(s), as the config holds them.
     #[serde(default)]
     pub bos_token_id: Option<Value>,
     /// The MLP's activation (`silu`).

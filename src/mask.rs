@@ -18,7 +18,10 @@ use crate::error::{Error, Result};
 #[derive(Debug, Clone)]
 pub enum MaskPart {
     /// Query `i` sees keys `0..=offset + i` (`offset` = keys already cached before this chunk).
-    Causal { offset: usize },
+    Causal {
+        /// Keys already cached before this chunk of queries.
+        offset: usize,
+    },
     /// `(batch, seq_k)`, 1 = keep, 0 = padding. Stored as u8.
     Padding(Tensor),
     /// Broadcastable to `(batch, heads, seq_q, seq_k)` (rank <= 4, right aligned); non-zero = keep.
@@ -90,6 +93,9 @@ impl AttentionMask {
 
     /// Boolean mask where a non-zero entry means "may attend". Broadcastable to
     /// `(batch, heads, seq_q, seq_k)` (rank 2 `(seq_q, seq_k)`, 3 `(batch, seq_q, seq_k)` or 4).
+    ///
+    /// # Shapes
+    /// - `keep`: `(seq_q, seq_k)`, `(batch, seq_q, seq_k)` or `(batch, heads, seq_q, seq_k)`
     pub fn keep(keep: &Tensor) -> Result<Self> {
         check_rank(keep, "keep")?;
         Ok(Self {
@@ -99,6 +105,9 @@ impl AttentionMask {
 
     /// Boolean mask where a non-zero entry means "must not attend" (PyTorch's boolean
     /// `attn_mask` / `key_padding_mask` convention). Broadcastable like [`AttentionMask::keep`].
+    ///
+    /// # Shapes
+    /// - `block`: as `keep` in [`AttentionMask::keep`]
     pub fn block(block: &Tensor) -> Result<Self> {
         check_rank(block, "block")?;
         Ok(Self {
@@ -109,6 +118,9 @@ impl AttentionMask {
     /// Additive float bias, broadcastable to `(batch, heads, seq_q, seq_k)`, added to the
     /// scaled scores before the softmax (ALiBi, relative position biases, ...). `-inf`
     /// entries hide keys exactly.
+    ///
+    /// # Shapes
+    /// - `bias`: broadcastable to `(batch, heads, seq_q, seq_k)`, any float dtype
     pub fn bias(bias: &Tensor) -> Result<Self> {
         check_rank(bias, "bias")?;
         Ok(Self {

@@ -18,7 +18,9 @@ use crate::text::TextEncoder;
 pub struct ModelFiles {
     /// How the user named the model (directory or model id).
     pub name: String,
+    /// `config.json`.
     pub config: PathBuf,
+    /// `tokenizer.json`.
     pub tokenizer: PathBuf,
     /// One file, or the shards of a sharded checkpoint.
     pub weights: Vec<PathBuf>,
@@ -313,9 +315,13 @@ fn shard_names(index: &Path) -> Result<Vec<String>> {
 
 /// A loaded BERT-family model: config, tokenizer and encoder.
 pub struct Model {
+    /// Where the model came from.
     pub files: ModelFiles,
+    /// Its `config.json`.
     pub config: HfConfig,
+    /// Its tokenizer, set to the model's positions.
     pub text: TextEncoder,
+    /// The encoder.
     pub encoder: BertEncoder,
 }
 

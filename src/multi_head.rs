@@ -385,7 +385,11 @@ impl MultiHeadSelfAttention {
         self.attend(x, None, mask, false)
     }
 
-    /// Self-attention that also returns the weights `(batch, heads, seq, seq)`.
+    /// Self-attention that also returns the weights.
+    ///
+    /// # Shapes
+    /// - `x`: `(batch, seq, hidden)`
+    /// - returns: `context` `(batch, seq, hidden_out)`, `weights` `(batch, heads, seq, seq)`
     pub fn forward_with_weights(
         &self,
         x: &Tensor,

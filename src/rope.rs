@@ -26,12 +26,19 @@ pub enum RopeScaling {
     /// `theta^(-2i / d)`.
     Default,
     /// Frequencies divided by `factor` (positions interpolated).
-    Linear { factor: f64 },
+    Linear {
+        /// The positions' divisor.
+        factor: f64,
+    },
     /// LLaMA 3.1's frequency-dependent scaling.
     Llama3 {
+        /// Divisor of the low frequencies.
         factor: f64,
+        /// Wavelengths above `original / low_freq_factor` are divided by `factor`.
         low_freq_factor: f64,
+        /// Wavelengths below `original / high_freq_factor` stay as they are.
         high_freq_factor: f64,
+        /// The context the model was first trained for.
         original_max_position_embeddings: usize,
     },
 }
@@ -46,7 +53,9 @@ pub struct RopeConfig {
     /// Features rotated, the first `rotary_dim` of each head (`partial_rotary_factor *
     /// head_dim`); the rest pass through.
     pub rotary_dim: usize,
+    /// How the frequencies are scaled (`rope_scaling` / `rope_parameters`).
     pub scaling: RopeScaling,
+    /// Which features are rotated together.
     pub layout: RopeLayout,
 }
 

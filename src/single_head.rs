@@ -107,7 +107,11 @@ impl SingleHeadSelfAttention {
         self.attend(x, mask, false)
     }
 
-    /// Self-attention with the weights `(batch, 1, seq, seq)`.
+    /// Self-attention with the weights.
+    ///
+    /// # Shapes
+    /// - `x`: `(batch, seq, hidden)`
+    /// - returns: `context` `(batch, seq, d_v)`, `weights` `(batch, 1, seq, seq)`
     pub fn forward_with_weights(
         &self,
         x: &Tensor,

@@ -46,8 +46,11 @@ impl EncodedText {
 /// - `attention_mask`: `(batch, seq)` u8, 1 = real token, 0 = padding
 #[derive(Debug, Clone)]
 pub struct EncodedBatch {
+    /// Token ids, padded with the tokenizer's pad id.
     pub input_ids: Tensor,
+    /// Segment ids (0, and 1 for a pair's second text), padded with 0.
     pub token_type_ids: Tensor,
+    /// 1 = real token, 0 = padding.
     pub attention_mask: Tensor,
     /// Each member unpadded.
     pub items: Vec<EncodedText>,

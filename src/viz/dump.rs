@@ -10,7 +10,9 @@ use crate::viz::words::{word_groups, WordGroup};
 /// Which layers and heads to keep (`None` = all).
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub struct DumpSelection {
+    /// Only this layer.
     pub layer: Option<usize>,
+    /// Only this head.
     pub head: Option<usize>,
 }
 
@@ -21,11 +23,15 @@ pub struct DumpSelection {
 /// `{"model", "text", "tokens", "shape", "attentions"}`.
 #[derive(Debug, Clone, Serialize)]
 pub struct AttentionDump {
+    /// The model's name.
     pub model: String,
+    /// The sentence.
     pub text: String,
+    /// Its tokens (or words, after [`AttentionDump::into_words`]).
     pub tokens: Vec<String>,
     /// `[layers, heads, seq, seq]`
     pub shape: [usize; 4],
+    /// `[layer][head][query][key]` weights; each query row sums to 1.
     pub attentions: Vec<Vec<Vec<Vec<f32>>>>,
     /// Real layer number of each entry of `attentions`.
     #[serde(skip)]
@@ -37,7 +43,11 @@ pub struct AttentionDump {
 
 impl AttentionDump {
     /// Extracts sentence `index` of a batch (its real tokens only) from the per-layer
-    /// attentions `(batch, heads, seq, seq)`.
+    /// attentions.
+    ///
+    /// # Shapes
+    /// - `attentions`: one `(batch, heads, seq, seq)` tensor per layer; `item` has at most
+    ///   `seq` tokens
     pub fn from_batch(
         model: &str,
         item: &EncodedText,
