@@ -657,6 +657,8 @@ fn reset_peak_rss() {
 fn fma_peak() -> anyhow::Result<(f64, &'static str)> {
     #[cfg(target_arch = "x86_64")]
     {
+        // SAFETY (both closures): each is chosen only after the run-time check of the
+        // features its loop is compiled for.
         let (isa, lanes, run): (&str, usize, fn(u64) -> f32) =
             if is_x86_feature_detected!("avx512f") {
                 ("avx512f", 16, |n| unsafe { fma_loop_avx512(n) })
