@@ -686,6 +686,7 @@ fn fma_peak() -> anyhow::Result<(f64, &'static str)> {
 }
 
 /// Independent accumulator chains: enough to cover the FMA latency on two ports.
+#[cfg(target_arch = "x86_64")]
 const FMA_CHAINS: usize = 12;
 
 /// # Safety

@@ -48,7 +48,10 @@ pub(crate) fn available() -> bool {
 
 /// `sum a[i] b[i]`; `None` without the hardware conversion.
 pub(crate) fn dot(a: &[f16], b: &[f32]) -> Option<f32> {
+    #[cfg(target_arch = "x86_64")]
     let n = a.len().min(b.len());
+    #[cfg(not(target_arch = "x86_64"))]
+    let _ = (a, b);
     match isa() {
         #[cfg(target_arch = "x86_64")]
         // SAFETY: the CPU has AVX-512F (checked by `isa`); both slices hold `n` values.
