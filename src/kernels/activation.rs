@@ -7,7 +7,7 @@
 //! see the test). The code is branch-free, so the compiler vectorises it in the AVX-512 and
 //! AVX2 + FMA builds picked at run time.
 
-use std::sync::OnceLock;
+use super::simd::{isa, Isa};
 
 /// 1.5 * 2^23: adding and removing it rounds an f32 below 2^22 to the nearest integer.
 const MAGIC: f32 = 12_582_912.0;
@@ -115,31 +115,6 @@ pub(crate) fn gelu_erf(x: f32) -> f32 {
     let erfc = if z < SERIES_MAX { near } else { far };
     // NaN stays NaN (every step above propagates it except the select, which keeps it).
     0.5 * x * erfc
-}
-
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-enum Isa {
-    #[cfg(target_arch = "x86_64")]
-    Avx512,
-    #[cfg(target_arch = "x86_64")]
-    Avx2,
-    Scalar,
-}
-
-fn isa() -> Isa {
-    static ISA: OnceLock<Isa> = OnceLock::new();
-    *ISA.get_or_init(|| {
-        #[cfg(target_arch = "x86_64")]
-        {
-            if is_x86_feature_detected!("avx512f") {
-                return Isa::Avx512;
-            }
-            if is_x86_feature_detected!("avx2") && is_x86_feature_detected!("fma") {
-                return Isa::Avx2;
-            }
-        }
-        Isa::Scalar
-    })
 }
 
 /// `x[i] = gelu(x[i])` for every element, with the widest vectors the CPU has.

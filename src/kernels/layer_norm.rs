@@ -4,6 +4,7 @@
 
 use rayon::prelude::*;
 
+use super::simd::{isa, Isa};
 use crate::error::{Error, Result};
 
 /// Independent partial sums per row (one AVX-512 vector, two AVX2 ones).
@@ -51,26 +52,15 @@ pub(crate) fn add_layer_norm_in_place(
 
 /// One row, with the widest vectors the CPU has.
 fn row(a: &mut [f32], b: &[f32], gamma: &[f32], beta: &[f32], eps: f32) {
-    #[cfg(target_arch = "x86_64")]
-    {
-        use std::sync::OnceLock;
-        static WIDE: OnceLock<(bool, bool)> = OnceLock::new();
-        let (avx512, avx2) = *WIDE.get_or_init(|| {
-            (
-                is_x86_feature_detected!("avx512f"),
-                is_x86_feature_detected!("avx2") && is_x86_feature_detected!("fma"),
-            )
-        });
-        if avx512 {
-            // SAFETY: the CPU has AVX-512F (checked above).
-            return unsafe { row_avx512(a, b, gamma, beta, eps) };
-        }
-        if avx2 {
-            // SAFETY: the CPU has AVX2 and FMA (checked above).
-            return unsafe { row_avx2(a, b, gamma, beta, eps) };
-        }
+    match isa() {
+        #[cfg(target_arch = "x86_64")]
+        // SAFETY: the CPU has AVX-512F (checked by `isa`).
+        Isa::Avx512 => unsafe { row_avx512(a, b, gamma, beta, eps) },
+        #[cfg(target_arch = "x86_64")]
+        // SAFETY: the CPU has AVX2 and FMA (checked by `isa`).
+        Isa::Avx2 => unsafe { row_avx2(a, b, gamma, beta, eps) },
+        Isa::Scalar => row_lanes(a, b, gamma, beta, eps),
     }
-    row_lanes(a, b, gamma, beta, eps);
 }
 
 #[cfg(target_arch = "x86_64")]

@@ -53,8 +53,9 @@ macro_rules! pow2_fraction {
     }};
 }
 
+/// The widest vector instructions this CPU runs these kernels with.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-enum Isa {
+pub(crate) enum Isa {
     #[cfg(target_arch = "x86_64")]
     Avx512,
     #[cfg(target_arch = "x86_64")]
@@ -62,7 +63,8 @@ enum Isa {
     Scalar,
 }
 
-fn isa() -> Isa {
+/// [`Isa`] of this CPU (detected once): AVX-512F, else AVX2 + FMA, else scalar.
+pub(crate) fn isa() -> Isa {
     static ISA: OnceLock<Isa> = OnceLock::new();
     *ISA.get_or_init(|| {
         #[cfg(target_arch = "x86_64")]
