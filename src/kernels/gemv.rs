@@ -17,6 +17,10 @@ const ROWS_PER_TASK: usize = 256;
 
 /// A weight element the kernels widen to f32 as they read it (f32 sums).
 pub(crate) trait Widen: Copy + Send + Sync {
+    /// Whether [`gemv`] reads four rows at a time (measured faster for f32, slower for bf16:
+    /// see docs/performance.md).
+    const FOUR_ROWS: bool = false;
+
     fn widen(self) -> f32;
 
     /// `sum a[i] b[i]` by a kernel of this type's own, where it has one.
@@ -54,6 +58,8 @@ impl Widen for half::f16 {
 }
 
 impl Widen for f32 {
+    const FOUR_ROWS: bool = true;
+
     #[inline(always)]
     fn widen(self) -> f32 {
         self
@@ -80,9 +86,12 @@ pub(crate) fn gemv<T: Widen>(
 ) -> Result<()> {
     let (out, inp) = check(w.len(), x, bias, y)?;
     let work = |(c, ys): (usize, &mut [f32])| {
-        for (r, yv) in ys.iter_mut().enumerate() {
-            let j = c * ROWS_PER_TASK + r;
-            *yv = dot(&w[j * inp..(j + 1) * inp], x) + bias.map_or(0.0, |b| b[j]);
+        let j0 = c * ROWS_PER_TASK;
+        dot_rows(&w[j0 * inp..(j0 + ys.len()) * inp], x, ys);
+        if let Some(b) = bias {
+            for (yv, bv) in ys.iter_mut().zip(&b[j0..]) {
+                *yv += bv;
+            }
         }
     };
     if out * inp < 1 << 16 {
@@ -122,6 +131,86 @@ fn dot<T: Widen>(a: &[T], b: &[f32]) -> f32 {
         }
     }
     dot_lanes(a, b)
+}
+
+/// `ys[r] = dot(W[r], x)` for the rows of a block `w` (`ys.len()` rows of `x.len()`):
+/// four rows at a time where [`Widen::FOUR_ROWS`] (four independent streams keep more reads
+/// in flight than one), else row by row.
+fn dot_rows<T: Widen>(w: &[T], x: &[f32], ys: &mut [f32]) {
+    let inp = x.len();
+    if !T::FOUR_ROWS {
+        for (r, yv) in ys.iter_mut().enumerate() {
+            *yv = dot(&w[r * inp..(r + 1) * inp], x);
+        }
+        return;
+    }
+    #[cfg(target_arch = "x86_64")]
+    {
+        let (avx512, avx2) = wide_vectors();
+        if avx512 {
+            // SAFETY: the CPU has AVX-512F (checked by `wide_vectors`).
+            return unsafe { dot_rows_avx512(w, x, ys) };
+        }
+        if avx2 {
+            // SAFETY: the CPU has AVX2 (checked by `wide_vectors`).
+            return unsafe { dot_rows_avx2(w, x, ys) };
+        }
+    }
+    dot_rows_lanes(w, x, ys);
+}
+
+/// [`dot_rows_lanes`] compiled for AVX-512.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f")]
+unsafe fn dot_rows_avx512<T: Widen>(w: &[T], x: &[f32], ys: &mut [f32]) {
+    dot_rows_lanes(w, x, ys);
+}
+
+/// [`dot_rows_lanes`] compiled for AVX2.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2")]
+unsafe fn dot_rows_avx2<T: Widen>(w: &[T], x: &[f32], ys: &mut [f32]) {
+    dot_rows_lanes(w, x, ys);
+}
+
+#[inline(always)]
+fn dot_rows_lanes<T: Widen>(w: &[T], x: &[f32], ys: &mut [f32]) {
+    let inp = x.len();
+    let quads = ys.len() / 4;
+    for q in 0..quads {
+        let base = 4 * q * inp;
+        let r = |i: usize| &w[base + i * inp..base + (i + 1) * inp];
+        let (r0, r1, r2, r3) = (r(0), r(1), r(2), r(3));
+        let mut acc = [[0f32; LANES]; 4];
+        let xs = x.chunks_exact(LANES);
+        let tail_x = xs.remainder();
+        for ((((a, b), c), d), xv) in r0
+            .chunks_exact(LANES)
+            .zip(r1.chunks_exact(LANES))
+            .zip(r2.chunks_exact(LANES))
+            .zip(r3.chunks_exact(LANES))
+            .zip(xs)
+        {
+            for k in 0..LANES {
+                acc[0][k] += a[k].widen() * xv[k];
+                acc[1][k] += b[k].widen() * xv[k];
+                acc[2][k] += c[k].widen() * xv[k];
+                acc[3][k] += d[k].widen() * xv[k];
+            }
+        }
+        let t0 = inp - tail_x.len();
+        for (i, row) in [r0, r1, r2, r3].iter().enumerate() {
+            let tail: f32 = row[t0..]
+                .iter()
+                .zip(tail_x)
+                .map(|(a, b)| a.widen() * b)
+                .sum();
+            ys[4 * q + i] = acc[i].iter().sum::<f32>() + tail;
+        }
+    }
+    for r in 4 * quads..ys.len() {
+        ys[r] = dot_lanes(&w[r * inp..(r + 1) * inp], x);
+    }
 }
 
 /// Whether the CPU has AVX-512F and AVX2 (detected once).
