@@ -126,17 +126,10 @@ impl WeightLayout {
                 })
             }
             WeightLayout::TorchMha => {
-                if let Some(z) = s {
-                    if z.kv_heads != z.heads
-                        || z.heads * z.head_dim != z.hidden
-                        || z.v_head_dim != z.head_dim
-                    {
-                        return Err(Error::config(format!(
-                            "the torch-mha layout packs Q, K and V as `in_proj_weight` (3 x embed_dim, embed_dim): it needs heads x head_dim = hidden ({} x {} vs {}) and no grouped K/V heads",
-                            z.heads, z.head_dim, z.hidden
-                        )));
-                    }
-                }
+                check_packable(
+                    s,
+                    "the torch-mha layout packs Q, K and V as `in_proj_weight` (3 x embed_dim, embed_dim)",
+                )?;
                 let (q, k, v) = if !vb.contains_tensor("in_proj_weight")
                     && vb.contains_tensor("q_proj_weight")
                 {
@@ -197,17 +190,10 @@ impl WeightLayout {
                 })
             }
             WeightLayout::Gpt2 => {
-                if let Some(z) = s {
-                    if z.kv_heads != z.heads
-                        || z.heads * z.head_dim != z.hidden
-                        || z.v_head_dim != z.head_dim
-                    {
-                        return Err(Error::config(format!(
-                            "the gpt2 layout packs Q, K and V as `c_attn.weight` (d, 3 x d): it needs heads x head_dim = hidden ({} x {} vs {}) and no grouped K/V heads",
-                            z.heads, z.head_dim, z.hidden
-                        )));
-                    }
-                }
+                check_packable(
+                    s,
+                    "the gpt2 layout packs Q, K and V as `c_attn.weight` (d, 3 x d)",
+                )?;
                 let c_attn = vb.pp("c_attn");
                 let fresh = s.is_some() && !c_attn.contains_tensor("weight");
                 let w = weight(
@@ -360,6 +346,24 @@ impl Projections {
             .into_iter()
             .chain(self.o.as_ref())
             .any(|l| l.weight.track_op() || l.bias.as_ref().is_some_and(Tensor::track_op))
+    }
+}
+
+/// Sizes stated for a layout that packs Q, K and V into one tensor (`what` names it) must
+/// have heads x head_dim = hidden, d_v = d_k and no grouped K/V heads.
+fn check_packable(sizes: Option<LayerSizes>, what: &str) -> Result<()> {
+    match sizes {
+        Some(z)
+            if z.kv_heads != z.heads
+                || z.heads * z.head_dim != z.hidden
+                || z.v_head_dim != z.head_dim =>
+        {
+            Err(Error::config(format!(
+                "{what}: it needs heads x head_dim = hidden ({} x {} vs {}) and no grouped K/V heads",
+                z.heads, z.head_dim, z.hidden
+            )))
+        }
+        _ => Ok(()),
     }
 }
 

@@ -386,6 +386,32 @@ impl LlamaModel {
     }
 
     fn hidden_states(&self, ids: &Tensor, caches: &mut [KvCache]) -> Result<Tensor> {
+        Ok(self.run_layers(ids, caches, false)?.0)
+    }
+
+    /// Every layer's attention weights over `ids` (a fresh prompt, causal, and within the
+    /// sliding window where the model has one).
+    ///
+    /// # Shapes
+    /// - `ids`: `(batch, seq)`; returns one `(batch, heads, seq, seq)` f32 tensor per layer
+    pub fn attentions(&self, ids: &Tensor) -> Result<Vec<Tensor>> {
+        let (_, t) = ids.dims2()?;
+        let mut caches = self.new_caches(t.max(1));
+        self.run_layers(ids, &mut caches, true)?
+            .1
+            .into_iter()
+            .map(|w| w.ok_or_else(|| Error::Kernel("no attention weights returned".into())))
+            .collect()
+    }
+
+    /// The final norm's output `(batch, seq, hidden)` and, when `weights`, each layer's
+    /// attention weights.
+    fn run_layers(
+        &self,
+        ids: &Tensor,
+        caches: &mut [KvCache],
+        weights: bool,
+    ) -> Result<(Tensor, Vec<Option<Tensor>>)> {
         if caches.len() != self.layers.len() {
             return Err(Error::input(
                 "caches",
@@ -402,35 +428,15 @@ impl LlamaModel {
             ));
         }
         let mut x = self.embed.forward(ids)?; // (b, t, hidden)
+        let mut all = Vec::with_capacity(if weights { self.layers.len() } else { 0 });
         for (layer, cache) in self.layers.iter().zip(caches.iter_mut()) {
-            x = layer.forward(&x, &self.rope, cache, false)?.0;
-        }
-        Ok(self.norm.forward(&x)?)
-    }
-
-    /// Every layer's attention weights over `ids` (a fresh prompt, causal, and within the
-    /// sliding window where the model has one).
-    ///
-    /// # Shapes
-    /// - `ids`: `(batch, seq)`; returns one `(batch, heads, seq, seq)` f32 tensor per layer
-    pub fn attentions(&self, ids: &Tensor) -> Result<Vec<Tensor>> {
-        let (_, t) = ids.dims2()?;
-        if t == 0 {
-            return Err(Error::input(
-                "ids",
-                "at least one token",
-                "an empty sequence",
-            ));
-        }
-        let mut caches = self.new_caches(t);
-        let mut x = self.embed.forward(ids)?; // (b, t, hidden)
-        let mut out = Vec::with_capacity(self.layers.len());
-        for (layer, cache) in self.layers.iter().zip(caches.iter_mut()) {
-            let (next, w) = layer.forward(&x, &self.rope, cache, true)?;
+            let (next, w) = layer.forward(&x, &self.rope, cache, weights)?;
             x = next;
-            out.push(w.ok_or_else(|| Error::Kernel("no attention weights returned".into()))?);
+            if weights {
+                all.push(w);
+            }
         }
-        Ok(out)
+        Ok((self.norm.forward(&x)?, all))
     }
 
     /// Number of decoder layers.
