@@ -7,10 +7,7 @@
 //! see the test). The code is branch-free, so the compiler vectorises it in the AVX-512 and
 //! AVX2 + FMA builds picked at run time.
 
-use super::simd::{isa, Isa};
-
-/// 1.5 * 2^23: adding and removing it rounds an f32 below 2^22 to the nearest integer.
-const MAGIC: f32 = 12_582_912.0;
+use super::simd::{self, isa, Isa};
 
 /// The coefficients of `P(t)` (Numerical Recipes, `erfcc`), constant term first.
 // The published 8-digit values, rounded to f32 by the compiler.
@@ -45,16 +42,8 @@ const ERF_SERIES: [f32; 9] = [
 /// `|z|` below which the series gives `erf` (the fit's 1.2e-7 would dominate near 0).
 const SERIES_MAX: f32 = 0.6;
 
-/// `2^r` on `[-0.5, 0.5]`, the softmax's degree-5 fit (about 1.5 ulp).
-#[allow(clippy::approx_constant)]
-const POW2: [f32; 6] = [
-    1.0,
-    0.693_147,
-    0.240_222_42,
-    5.550_734_3e-2,
-    9.671_514e-3,
-    1.326_460_5e-3,
-];
+/// `2^r` on `[-0.5, 0.5]`: the softmax's degree-5 fit (about 1.5 ulp), constant term first.
+const POW2: [f32; 6] = [1.0, simd::Q1, simd::Q2, simd::Q3, simd::Q4, simd::Q5];
 
 /// `ln 2` in two parts: `LN2_HI` has few enough bits that `n LN2_HI` is exact for the
 /// integers `n` used here (Cody and Waite's reduction).
@@ -67,8 +56,8 @@ const LN2_LO: f32 = 1.428_606_8e-6;
 #[inline(always)]
 fn exp_split(p: f32, hi: f32, lo: f32) -> f32 {
     let x = ((p - hi) * std::f32::consts::LOG2_E).max(-126.0);
-    let shifted = x + MAGIC;
-    let n = shifted - MAGIC;
+    let shifted = x + simd::MAGIC;
+    let n = shifted - simd::MAGIC;
     // -hi - n LN2_HI is exact before its one rounding (|result| < 2); the rest is small.
     let r = n.mul_add(-LN2_HI, -hi) + (p - lo) - n * LN2_LO;
     let r = r * std::f32::consts::LOG2_E;

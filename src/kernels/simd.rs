@@ -25,7 +25,7 @@ const EXP2_FLUSH: f32 = -125.0;
 const EXP2_MAX: f32 = 128.0;
 /// 1.5 * 2^23: for |x| < 2^22, `x + MAGIC` is an f32 in [2^23, 2^24) (spacing 1), so the
 /// addition rounds `x` to the nearest integer `n`, and the sum's mantissa holds `2^22 + n`.
-const MAGIC: f32 = 12_582_912.0;
+pub(crate) const MAGIC: f32 = 12_582_912.0;
 
 /// `2^r` on `[-0.5, 0.5]` as `1 + r (Q1 + r (Q2 + r (Q3 + r (Q4 + r Q5))))`: a degree-5
 /// fit of least maximum relative error (9.2e-8 in exact arithmetic, 1.8e-7 evaluated in f32,
@@ -33,11 +33,11 @@ const MAGIC: f32 = 12_582_912.0;
 // A fitted coefficient, close to but deliberately not `ln 2` (the fit spreads the error of
 // the truncated series over the interval).
 #[allow(clippy::approx_constant)]
-const Q1: f32 = 0.693_147;
-const Q2: f32 = 0.240_222_42;
-const Q3: f32 = 5.550_734_3e-2;
-const Q4: f32 = 9.671_514e-3;
-const Q5: f32 = 1.326_460_5e-3;
+pub(crate) const Q1: f32 = 0.693_147;
+pub(crate) const Q2: f32 = 0.240_222_42;
+pub(crate) const Q3: f32 = 5.550_734_3e-2;
+pub(crate) const Q4: f32 = 9.671_514e-3;
+pub(crate) const Q5: f32 = 1.326_460_5e-3;
 
 /// `2^r` by the fit above in Horner form, with the given vector multiply-add and splat:
 /// the AVX2 and AVX-512 versions evaluate the same polynomial in the same order.
