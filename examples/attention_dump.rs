@@ -20,7 +20,7 @@ use candle_attention::viz::{
     render_heatmap, render_html_grouped, AttentionDump, DumpSelection, HeatmapStyle,
 };
 use candle_attention::{
-    length_sorted_batches, parse_dtype, select_device, Checkpoint, EncodedText, HfConfig,
+    into_length_sorted_batches, parse_dtype, select_device, Checkpoint, EncodedText, HfConfig,
     LlamaConfig, LlamaModel, Model, ModelFiles, ModelResolver, TextEncoder, WeightLayout,
 };
 use candle_core::{DType, Device, Tensor};
@@ -382,12 +382,10 @@ impl Network {
                     .iter()
                     .map(|t| m.text.encode(t))
                     .collect::<candle_attention::Result<Vec<_>>>()?;
-                let lengths: Vec<usize> = items.iter().map(EncodedText::len).collect();
-                let mut slots: Vec<Option<EncodedText>> = items.into_iter().map(Some).collect();
                 let mut done: Vec<Option<(EncodedText, R)>> = texts.iter().map(|_| None).collect();
-                for plan in length_sorted_batches(&lengths, batch_size)? {
-                    let members: Vec<EncodedText> =
-                        plan.iter().filter_map(|&i| slots[i].take()).collect();
+                for (plan, members) in
+                    into_length_sorted_batches(items, EncodedText::len, batch_size)?
+                {
                     let batch = m.text.pad(members, device)?;
                     let out = m.encoder.forward(
                         &batch.input_ids,

@@ -18,6 +18,31 @@ pub fn length_sorted_batches(lengths: &[usize], batch_size: usize) -> Result<Vec
     Ok(order.chunks(batch_size).map(<[usize]>::to_vec).collect())
 }
 
+/// `items` moved into the batches of [`length_sorted_batches`]: each batch's input
+/// positions, and its items in the same order.
+pub fn into_length_sorted_batches<T>(
+    items: Vec<T>,
+    len: impl Fn(&T) -> usize,
+    batch_size: usize,
+) -> Result<Vec<(Vec<usize>, Vec<T>)>> {
+    let lengths: Vec<usize> = items.iter().map(len).collect();
+    let mut slots: Vec<Option<T>> = items.into_iter().map(Some).collect();
+    length_sorted_batches(&lengths, batch_size)?
+        .into_iter()
+        .map(|batch| {
+            let members = batch
+                .iter()
+                .map(|&i| {
+                    slots[i]
+                        .take()
+                        .ok_or_else(|| Error::config("a batch plan listed an item twice"))
+                })
+                .collect::<Result<Vec<_>>>()?;
+            Ok((batch, members))
+        })
+        .collect()
+}
+
 /// Padded positions a plan computes: `sum over batches of (members * longest - real)`.
 pub fn padding_tokens(lengths: &[usize], batches: &[Vec<usize>]) -> usize {
     batches
@@ -54,6 +79,20 @@ mod tests {
             .map(<[usize]>::to_vec)
             .collect();
         assert!(padding_tokens(&lengths, &sorted) * 4 < padding_tokens(&lengths, &in_order));
+        Ok(())
+    }
+
+    #[test]
+    fn items_move_into_their_batches() -> Result<()> {
+        let words = vec!["ccc", "a", "bbbb", "dd"];
+        let batches = into_length_sorted_batches(words, |w| w.len(), 3)?;
+        assert_eq!(
+            batches,
+            vec![
+                (vec![2, 0, 3], vec!["bbbb", "ccc", "dd"]),
+                (vec![1], vec!["a"])
+            ]
+        );
         Ok(())
     }
 

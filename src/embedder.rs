@@ -7,7 +7,7 @@ use std::sync::Mutex;
 
 use rayon::prelude::*;
 
-use crate::batching::length_sorted_batches;
+use crate::batching::into_length_sorted_batches;
 use crate::bert::{l2_normalize, mean_pool, BertEncoder};
 use crate::error::{Error, Result};
 use crate::text::{EncodedBatch, EncodedText, TextEncoder};
@@ -84,22 +84,7 @@ impl<'m> Embedder<'m> {
             .par_iter()
             .map(|t| self.text.encode(t))
             .collect::<Result<Vec<_>>>()?;
-        let lengths: Vec<usize> = items.iter().map(EncodedText::len).collect();
-        let mut slots: Vec<Option<EncodedText>> = items.into_iter().map(Some).collect();
-        let batches = length_sorted_batches(&lengths, self.batch_size)?
-            .into_iter()
-            .map(|batch| {
-                let members = batch
-                    .iter()
-                    .map(|&i| {
-                        slots[i]
-                            .take()
-                            .ok_or_else(|| Error::config("a batch plan listed a sentence twice"))
-                    })
-                    .collect::<Result<Vec<_>>>()?;
-                Ok((batch, members))
-            })
-            .collect::<Result<Vec<_>>>()?;
+        let batches = into_length_sorted_batches(items, EncodedText::len, self.batch_size)?;
         let done = Mutex::new(done);
         let run = |(batch, members): (Vec<usize>, Vec<EncodedText>)| {
             let embedded = self.embed_batch(&self.text.pad(members, &self.device)?)?;

@@ -137,7 +137,7 @@ mod stored_weight;
 mod text;
 pub mod viz;
 
-pub use batching::{length_sorted_batches, padding_tokens};
+pub use batching::{into_length_sorted_batches, length_sorted_batches, padding_tokens};
 pub use bert::{l2_normalize, mean_pool, Activation, BertEncoder, BertLayer, EncoderOutput};
 pub use checkpoint::Checkpoint;
 pub use config::{AttentionConfig, HfConfig};
