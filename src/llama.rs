@@ -13,7 +13,7 @@ use serde_json::Value;
 
 use crate::config::{read_config_file, AttentionConfig};
 use crate::error::{Error, Result};
-use crate::kernels::gemv::one_row_linear;
+use crate::kernels::gemv::{one_row_gated, one_row_linear};
 use crate::kv_cache::KvCache;
 use crate::layout::WeightLayout;
 use crate::mask::AttentionMask;
@@ -207,6 +207,11 @@ impl Mlp {
     }
 
     fn forward(&self, x: &Tensor) -> Result<Tensor> {
+        // A decode step: both halves in one pass over the threads.
+        let (gate, up) = (&self.gate.0, &self.up.0);
+        if let Some(h) = one_row_gated(x, (gate.weight(), gate.bias()), (up.weight(), up.bias()))? {
+            return self.down.forward(&h);
+        }
         let g = candle_nn::ops::silu(&self.gate.forward(x)?)?;
         self.down.forward(&(g * self.up.forward(x)?)?)
     }

@@ -6,6 +6,7 @@
 use rayon::prelude::*;
 
 use super::f16_kernels;
+use super::gemv_avx512::{self, Load16};
 use crate::error::{Error, Result};
 
 /// Independent partial sums per dot product (one AVX-512 vector, two AVX2 ones); 32 and 64
@@ -16,7 +17,7 @@ const LANES: usize = 16;
 const ROWS_PER_TASK: usize = 256;
 
 /// A weight element the kernels widen to f32 as they read it (f32 sums).
-pub(crate) trait Widen: Copy + Send + Sync {
+pub(crate) trait Widen: Load16 {
     /// Whether [`gemv`] reads four rows at a time (measured faster for f32, slower for bf16:
     /// see docs/performance.md).
     const FOUR_ROWS: bool = false;
@@ -137,6 +138,9 @@ fn dot<T: Widen>(a: &[T], b: &[f32]) -> f32 {
 /// four rows at a time where [`Widen::FOUR_ROWS`] (four independent streams keep more reads
 /// in flight than one), else row by row.
 fn dot_rows<T: Widen>(w: &[T], x: &[f32], ys: &mut [f32]) {
+    if gemv_avx512::dot_rows(w, x, ys) {
+        return;
+    }
     let inp = x.len();
     if !T::FOUR_ROWS {
         for (r, yv) in ys.iter_mut().enumerate() {
@@ -283,6 +287,9 @@ pub(crate) fn gemv_t<T: Widen>(
 /// `ys += x W[:, j0..j0 + ys.len()]` for `W` `(in, out)`, with the widest vectors the CPU
 /// has.
 fn add_columns<T: Widen>(w: &[T], x: &[f32], out: usize, j0: usize, ys: &mut [f32]) {
+    if gemv_avx512::add_columns(w, x, out, j0, ys) {
+        return;
+    }
     if T::add_columns_special(w, x, out, j0, ys) {
         return;
     }
@@ -326,6 +333,69 @@ fn add_columns_lanes<T: Widen>(w: &[T], x: &[f32], out: usize, j0: usize, ys: &m
     }
 }
 
+/// A contiguous CPU weight in one of the types the kernels read.
+enum CpuWeight<'a> {
+    F32(&'a [f32]),
+    Bf16(&'a [half::bf16]),
+    F16(&'a [half::f16]),
+}
+
+impl<'a> CpuWeight<'a> {
+    /// The values of a contiguous CPU tensor; `None` for other storage, dtypes, or f16 on a
+    /// CPU without the hardware conversion.
+    fn of(storage: &'a candle_core::Storage, layout: &candle_core::Layout) -> Option<Self> {
+        use candle_core::{CpuStorage, Storage};
+        let (s, e) = layout.contiguous_offsets()?;
+        match storage {
+            Storage::Cpu(CpuStorage::F32(v)) => Some(Self::F32(&v[s..e])),
+            Storage::Cpu(CpuStorage::BF16(v)) => Some(Self::Bf16(&v[s..e])),
+            Storage::Cpu(CpuStorage::F16(v))
+                if f16_kernels::available() || gemv_avx512::available() =>
+            {
+                Some(Self::F16(&v[s..e]))
+            }
+            _ => None,
+        }
+    }
+}
+
+/// `x` as f32 values when it is one row on the CPU and neither it nor the weights track
+/// gradients: the case of the one-row kernels.
+fn one_row_input(
+    x: &candle_core::Tensor,
+    weights: &[&candle_core::Tensor],
+    biases: &[Option<&candle_core::Tensor>],
+) -> Result<Option<Vec<f32>>> {
+    use candle_core::{DType, Tensor, D};
+    let inp = x.dim(D::Minus1)?;
+    let tracks = x.track_op()
+        || weights.iter().any(|w| w.track_op())
+        || biases.iter().flatten().any(|b| Tensor::track_op(b));
+    if x.elem_count() != inp
+        || !x.device().is_cpu()
+        || tracks
+        || !weights.iter().all(|w| w.is_contiguous())
+    {
+        return Ok(None);
+    }
+    Ok(Some(x.to_dtype(DType::F32)?.flatten_all()?.to_vec1()?))
+}
+
+fn bias_values(bias: Option<&candle_core::Tensor>) -> Result<Option<Vec<f32>>> {
+    Ok(bias
+        .map(|b| b.to_dtype(candle_core::DType::F32)?.to_vec1())
+        .transpose()?)
+}
+
+/// `y` `(out,)` as a tensor of `x`'s shape with its last dimension `out`, in `x`'s dtype.
+fn output_like(x: &candle_core::Tensor, y: Vec<f32>) -> Result<candle_core::Tensor> {
+    let mut shape = x.dims().to_vec();
+    if let Some(last) = shape.last_mut() {
+        *last = y.len();
+    }
+    Ok(candle_core::Tensor::from_vec(y, shape, x.device())?.to_dtype(x.dtype())?)
+}
+
 /// `x W^T + b` for `W` `(out, in)` (`rows`) or `x W + b` for `W` `(in, out)`, on the
 /// matrix-vector kernels when `x` is one row on the CPU, nothing tracks gradients and `W`
 /// is a contiguous f32 or bf16 tensor, or f16 on a CPU with the hardware conversion
@@ -339,49 +409,104 @@ pub(crate) fn one_row_linear(
     bias: Option<&candle_core::Tensor>,
     rows: bool,
 ) -> Result<Option<candle_core::Tensor>> {
-    use candle_core::{CpuStorage, DType, Storage, Tensor, D};
-    let inp = x.dim(D::Minus1)?;
-    let tracks = x.track_op() || w.track_op() || bias.is_some_and(Tensor::track_op);
-    if x.elem_count() != inp || !x.device().is_cpu() || tracks || !w.is_contiguous() {
+    let Some(xs) = one_row_input(x, &[w], &[bias])? else {
         return Ok(None);
-    }
+    };
     let (a, b) = w.dims2()?;
     let (out, w_in) = if rows { (a, b) } else { (b, a) };
-    if w_in != inp {
+    if w_in != xs.len() {
         return Ok(None);
     }
-    let xs: Vec<f32> = x.to_dtype(DType::F32)?.flatten_all()?.to_vec1()?;
-    let bs: Option<Vec<f32>> = bias
-        .map(|b| b.to_dtype(DType::F32)?.to_vec1())
-        .transpose()?;
+    let bs = bias_values(bias)?;
     let bs = bs.as_deref();
     let mut y = vec![0f32; out];
     {
         let (guard, layout) = w.storage_and_layout();
-        let Some((s, e)) = layout.contiguous_offsets() else {
+        let Some(weight) = CpuWeight::of(&guard, layout) else {
             return Ok(None);
         };
-        match (&*guard, rows) {
-            (Storage::Cpu(CpuStorage::F32(v)), true) => gemv(&v[s..e], &xs, bs, &mut y)?,
-            (Storage::Cpu(CpuStorage::F32(v)), false) => gemv_t(&v[s..e], &xs, bs, &mut y)?,
-            (Storage::Cpu(CpuStorage::BF16(v)), true) => gemv(&v[s..e], &xs, bs, &mut y)?,
-            (Storage::Cpu(CpuStorage::BF16(v)), false) => gemv_t(&v[s..e], &xs, bs, &mut y)?,
-            (Storage::Cpu(CpuStorage::F16(v)), true) if f16_kernels::available() => {
-                gemv(&v[s..e], &xs, bs, &mut y)?
-            }
-            (Storage::Cpu(CpuStorage::F16(v)), false) if f16_kernels::available() => {
-                gemv_t(&v[s..e], &xs, bs, &mut y)?
-            }
+        match (weight, rows) {
+            (CpuWeight::F32(v), true) => gemv(v, &xs, bs, &mut y)?,
+            (CpuWeight::F32(v), false) => gemv_t(v, &xs, bs, &mut y)?,
+            (CpuWeight::Bf16(v), true) => gemv(v, &xs, bs, &mut y)?,
+            (CpuWeight::Bf16(v), false) => gemv_t(v, &xs, bs, &mut y)?,
+            (CpuWeight::F16(v), true) => gemv(v, &xs, bs, &mut y)?,
+            (CpuWeight::F16(v), false) => gemv_t(v, &xs, bs, &mut y)?,
+        }
+    }
+    Ok(Some(output_like(x, y)?))
+}
+
+/// `silu(x W_g^T + b_g) * (x W_u^T + b_u)`, the gated half of a SwiGLU MLP, for one input
+/// row in one pass over the threads (each task takes the same rows of both weights); `None`
+/// where [`one_row_linear`] would be `None` or the weights differ in dtype.
+///
+/// # Shapes
+/// - `x`: `(..., in)` holding one row; `W_g`, `W_u`: `(out, in)`; returns `(..., out)` in
+///   `x`'s dtype
+pub(crate) fn one_row_gated(
+    x: &candle_core::Tensor,
+    gate: (&candle_core::Tensor, Option<&candle_core::Tensor>),
+    up: (&candle_core::Tensor, Option<&candle_core::Tensor>),
+) -> Result<Option<candle_core::Tensor>> {
+    let Some(xs) = one_row_input(x, &[gate.0, up.0], &[gate.1, up.1])? else {
+        return Ok(None);
+    };
+    let (out, w_in) = gate.0.dims2()?;
+    if w_in != xs.len() || up.0.dims2()? != (out, w_in) {
+        return Ok(None);
+    }
+    let (bg, bu) = (bias_values(gate.1)?, bias_values(up.1)?);
+    let biases = (bg.as_deref(), bu.as_deref());
+    let mut y = vec![0f32; out];
+    {
+        let (gg, gl) = gate.0.storage_and_layout();
+        let (ug, ul) = up.0.storage_and_layout();
+        let (Some(wg), Some(wu)) = (CpuWeight::of(&gg, gl), CpuWeight::of(&ug, ul)) else {
+            return Ok(None);
+        };
+        match (wg, wu) {
+            (CpuWeight::F32(g), CpuWeight::F32(u)) => gemv_gated(g, u, &xs, biases, &mut y)?,
+            (CpuWeight::Bf16(g), CpuWeight::Bf16(u)) => gemv_gated(g, u, &xs, biases, &mut y)?,
+            (CpuWeight::F16(g), CpuWeight::F16(u)) => gemv_gated(g, u, &xs, biases, &mut y)?,
             _ => return Ok(None),
         }
     }
-    let mut shape = x.dims().to_vec();
-    if let Some(last) = shape.last_mut() {
-        *last = out;
+    Ok(Some(output_like(x, y)?))
+}
+
+/// `y[j] = silu(dot(W_g[j], x) + b_g[j]) * (dot(W_u[j], x) + b_u[j])` with
+/// `silu(g) = g / (1 + e^-g)`.
+///
+/// # Shapes
+/// - `wg`, `wu`: `out * in` values, `x`: `in`, biases: `out`, `y`: `out`
+pub(crate) fn gemv_gated<T: Widen>(
+    wg: &[T],
+    wu: &[T],
+    x: &[f32],
+    (bg, bu): (Option<&[f32]>, Option<&[f32]>),
+    y: &mut [f32],
+) -> Result<()> {
+    let (_, inp) = check(wg.len(), x, bg, y)?;
+    check(wu.len(), x, bu, y)?;
+    let work = |(c, ys): (usize, &mut [f32])| {
+        let (j0, n) = (c * ROWS_PER_TASK, ys.len());
+        let mut ups = [0f32; ROWS_PER_TASK];
+        let ups = &mut ups[..n];
+        dot_rows(&wg[j0 * inp..(j0 + n) * inp], x, ys);
+        dot_rows(&wu[j0 * inp..(j0 + n) * inp], x, ups);
+        for (j, (yv, uv)) in ys.iter_mut().zip(ups.iter()).enumerate() {
+            let g = *yv + bg.map_or(0.0, |b| b[j0 + j]);
+            let u = *uv + bu.map_or(0.0, |b| b[j0 + j]);
+            *yv = g / (1.0 + (-g).exp()) * u;
+        }
+    };
+    if 2 * y.len() * inp < 1 << 16 {
+        y.chunks_mut(ROWS_PER_TASK).enumerate().for_each(work);
+    } else {
+        y.par_chunks_mut(ROWS_PER_TASK).enumerate().for_each(work);
     }
-    Ok(Some(
-        Tensor::from_vec(y, shape, x.device())?.to_dtype(x.dtype())?,
-    ))
+    Ok(())
 }
 
 #[cfg(test)]
@@ -455,5 +580,78 @@ mod tests {
         gemv_t(&wth, &x, Some(&b), &mut got)?;
         close(&got, "f16 transposed");
         Ok(())
+    }
+
+    #[test]
+    fn gated_rows_equal_silu_of_gate_times_up() -> Result<()> {
+        let (out, inp) = (300, 70);
+        let wg: Vec<f32> = (0..out * inp)
+            .map(|i| ((i * 31 % 17) as f32 - 8.0) / 9.0)
+            .collect();
+        let wu: Vec<f32> = (0..out * inp)
+            .map(|i| ((i * 13 % 19) as f32 - 9.0) / 7.0)
+            .collect();
+        let x: Vec<f32> = (0..inp)
+            .map(|i| ((i * 7 % 11) as f32 - 5.0) / 4.0)
+            .collect();
+        let (bg, bu): (Vec<f32>, Vec<f32>) = (0..out)
+            .map(|i| (i as f32 / 50.0 - 3.0, 1.0 - i as f32 / 80.0))
+            .unzip();
+        for biases in [(None, None), (Some(&bg[..]), Some(&bu[..]))] {
+            let mut y = vec![f32::NAN; out];
+            gemv_gated(&wg, &wu, &x, biases, &mut y)?;
+            for j in 0..out {
+                let dot = |w: &[f32]| -> f64 {
+                    (0..inp)
+                        .map(|k| f64::from(w[j * inp + k]) * f64::from(x[k]))
+                        .sum()
+                };
+                let g = dot(&wg) + biases.0.map_or(0.0, |b| f64::from(b[j]));
+                let u = dot(&wu) + biases.1.map_or(0.0, |b| f64::from(b[j]));
+                let want = g / (1.0 + (-g).exp()) * u;
+                assert!(
+                    (f64::from(y[j]) - want).abs() < 1e-4 * (1.0 + want.abs()),
+                    "row {j}"
+                );
+            }
+        }
+        Ok(())
+    }
+
+    /// The portable loops (what AVX2 and other CPUs run; AVX-512 ones take
+    /// `gemv_avx512`) equal the definition too.
+    #[test]
+    fn portable_loops_equal_the_definition() {
+        let (out, inp) = (7, 53);
+        let w: Vec<f32> = (0..out * inp)
+            .map(|i| ((i * 31 % 17) as f32 - 8.0) / 8.0)
+            .collect();
+        let x: Vec<f32> = (0..inp)
+            .map(|i| ((i * 7 % 11) as f32 - 5.0) / 4.0)
+            .collect();
+        let want: Vec<f32> = (0..out)
+            .map(|j| (0..inp).map(|k| w[j * inp + k] * x[k]).sum())
+            .collect();
+        let close = |got: &[f32], what: &str| {
+            for (g, v) in got.iter().zip(&want) {
+                assert!((g - v).abs() < 1e-4 * (1.0 + v.abs()), "{what}: {g} vs {v}");
+            }
+        };
+        let mut ys = vec![f32::NAN; out];
+        dot_rows_lanes(&w, &x, &mut ys);
+        close(&ys, "four rows");
+        let single: Vec<f32> = (0..out)
+            .map(|j| dot_lanes(&w[j * inp..(j + 1) * inp], &x))
+            .collect();
+        close(&single, "one row");
+        let mut wt = vec![0f32; out * inp];
+        for j in 0..out {
+            for k in 0..inp {
+                wt[k * out + j] = w[j * inp + k];
+            }
+        }
+        ys.fill(0.0);
+        add_columns_lanes(&wt, &x, out, 0, &mut ys);
+        close(&ys, "columns");
     }
 }

@@ -24,6 +24,7 @@ mod f16_kernels;
 pub(crate) mod feed_forward;
 mod flash;
 pub(crate) mod gemv;
+mod gemv_avx512;
 pub(crate) mod layer_norm;
 mod mask_plan;
 mod matrix;

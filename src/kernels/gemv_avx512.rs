@@ -1,0 +1,332 @@
+//! The matrix-vector kernels' AVX-512 loops for f32, bf16 and f16 weights (f32 sums):
+//! four weight rows per pass with one FMA chain each, and column blocks of `x W` kept in
+//! registers across the whole input. The compiler-vectorised loops of [`super::gemv`] ran a
+//! single dependent add chain per row with a serial horizontal sum, which held bf16 reads to
+//! ~14 GB/s on two cores (see docs/performance.md).
+
+// The AVX-512 intrinsics are stable since Rust 1.89, above the `rust-version` the manifest
+// declares; candle-core 0.11 itself needs 1.89 on x86-64 (as in `microkernel.rs`).
+#![allow(clippy::incompatible_msrv)]
+
+#[cfg(target_arch = "x86_64")]
+use std::arch::x86_64::*;
+
+use half::{bf16, f16};
+
+#[cfg(target_arch = "x86_64")]
+use super::simd::{isa, Isa};
+
+/// How far ahead of the rows being summed [`dot_rows`] asks for the next ones (one pass of
+/// four rows; 8 and 16 measured no faster).
+#[cfg(target_arch = "x86_64")]
+const AHEAD_ROWS: usize = 4;
+/// Rows summed side by side in one pass (8 measured no faster).
+#[cfg(target_arch = "x86_64")]
+const GROUP: usize = 4;
+
+/// A weight element these kernels read sixteen at a time as f32 lanes.
+pub(crate) trait Load16: Copy + Send + Sync {
+    /// The value as f32.
+    fn to_f32(self) -> f32;
+
+    /// Sixteen values from `p` widened to f32.
+    ///
+    /// # Safety
+    /// AVX-512F; `p` points at sixteen readable values.
+    #[cfg(target_arch = "x86_64")]
+    unsafe fn load16(p: *const Self) -> __m512;
+}
+
+impl Load16 for f32 {
+    #[inline(always)]
+    fn to_f32(self) -> f32 {
+        self
+    }
+
+    #[cfg(target_arch = "x86_64")]
+    #[inline(always)]
+    unsafe fn load16(p: *const Self) -> __m512 {
+        _mm512_loadu_ps(p)
+    }
+}
+
+impl Load16 for bf16 {
+    #[inline(always)]
+    fn to_f32(self) -> f32 {
+        f32::from_bits(u32::from(self.to_bits()) << 16)
+    }
+
+    /// bf16 is the top half of an f32: zero-extend to 32 bits and shift.
+    #[cfg(target_arch = "x86_64")]
+    #[inline(always)]
+    unsafe fn load16(p: *const Self) -> __m512 {
+        let h = _mm256_loadu_si256(p as *const __m256i);
+        _mm512_castsi512_ps(_mm512_slli_epi32::<16>(_mm512_cvtepu16_epi32(h)))
+    }
+}
+
+impl Load16 for f16 {
+    #[inline(always)]
+    fn to_f32(self) -> f32 {
+        f16::to_f32(self)
+    }
+
+    /// The hardware conversion (`vcvtph2ps`).
+    #[cfg(target_arch = "x86_64")]
+    #[inline(always)]
+    unsafe fn load16(p: *const Self) -> __m512 {
+        _mm512_cvtph_ps(_mm256_loadu_si256(p as *const __m256i))
+    }
+}
+
+/// Whether this CPU runs these kernels (AVX-512F).
+pub(crate) fn available() -> bool {
+    #[cfg(target_arch = "x86_64")]
+    return isa() == Isa::Avx512;
+    #[cfg(not(target_arch = "x86_64"))]
+    false
+}
+
+/// `ys[r] = dot(w[r * in..(r + 1) * in], x)` for the `ys.len()` rows of `w` (`in = x.len()`);
+/// false (nothing done) without AVX-512 or when the sizes disagree.
+pub(crate) fn dot_rows<T: Load16>(w: &[T], x: &[f32], ys: &mut [f32]) -> bool {
+    if !available() || w.len() != x.len() * ys.len() {
+        return false;
+    }
+    #[cfg(target_arch = "x86_64")]
+    // SAFETY: the CPU has AVX-512F (checked by `available`); `w` holds `ys.len()` rows of
+    // `x.len()` values (checked above).
+    unsafe {
+        dot_rows_avx512(w, x, ys)
+    };
+    true
+}
+
+/// # Safety
+/// AVX-512F; `w.len() == x.len() * ys.len()`.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f")]
+unsafe fn dot_rows_avx512<T: Load16>(w: &[T], x: &[f32], ys: &mut [f32]) {
+    let inp = x.len();
+    let full = inp - inp % 16;
+    let (pw, px) = (w.as_ptr(), x.as_ptr());
+    // The elements past the last whole vector, in scalar code.
+    let tail = |r: usize| -> f32 {
+        let row = &w[r * inp..(r + 1) * inp];
+        row[full..]
+            .iter()
+            .zip(&x[full..])
+            .map(|(a, b)| a.to_f32() * b)
+            .sum()
+    };
+    let quads = ys.len() / GROUP;
+    for q in 0..quads {
+        let r0 = GROUP * q;
+        let p: [*const T; GROUP] = std::array::from_fn(|i| pw.add((r0 + i) * inp));
+        let mut acc = [_mm512_setzero_ps(); GROUP];
+        // The next four rows, a cache line per row per step, into L1 ahead of their pass.
+        let ahead = (AHEAD_ROWS * inp * std::mem::size_of::<T>()) as isize;
+        let end = pw.add(w.len()) as *const i8;
+        let mut i = 0;
+        while i < full {
+            let xv = _mm512_loadu_ps(px.add(i));
+            for (a, row) in acc.iter_mut().zip(&p) {
+                let next = (row.add(i) as *const i8).wrapping_offset(ahead);
+                if next < end {
+                    _mm_prefetch::<_MM_HINT_T0>(next);
+                }
+                *a = _mm512_fmadd_ps(T::load16(row.add(i)), xv, *a);
+            }
+            i += 16;
+        }
+        for (k, a) in acc.iter().enumerate() {
+            ys[r0 + k] = _mm512_reduce_add_ps(*a) + tail(r0 + k);
+        }
+    }
+    for (r, y) in ys.iter_mut().enumerate().skip(GROUP * quads) {
+        let row = pw.add(r * inp);
+        let (mut a0, mut a1) = (_mm512_setzero_ps(), _mm512_setzero_ps());
+        let mut i = 0;
+        while i + 32 <= full {
+            a0 = _mm512_fmadd_ps(T::load16(row.add(i)), _mm512_loadu_ps(px.add(i)), a0);
+            a1 = _mm512_fmadd_ps(
+                T::load16(row.add(i + 16)),
+                _mm512_loadu_ps(px.add(i + 16)),
+                a1,
+            );
+            i += 32;
+        }
+        if i < full {
+            a0 = _mm512_fmadd_ps(T::load16(row.add(i)), _mm512_loadu_ps(px.add(i)), a0);
+        }
+        *y = _mm512_reduce_add_ps(_mm512_add_ps(a0, a1)) + tail(r);
+    }
+}
+
+/// `ys[j] += sum_k x[k] w[k * out + j0 + j]` (a block of columns of `x W`, `W` `(in, out)`
+/// row-major); false (nothing done) without AVX-512 or when the block runs past `w`.
+pub(crate) fn add_columns<T: Load16>(
+    w: &[T],
+    x: &[f32],
+    out: usize,
+    j0: usize,
+    ys: &mut [f32],
+) -> bool {
+    let n = ys.len();
+    if !available() || x.is_empty() || j0 + n > out || x.len() * out > w.len() {
+        return false;
+    }
+    #[cfg(target_arch = "x86_64")]
+    // SAFETY: the CPU has AVX-512F (checked by `available`); every row `k < x.len()` of `w`
+    // holds columns `j0..j0 + n` (checked above).
+    unsafe {
+        add_columns_avx512(w, x, out, j0, ys)
+    };
+    true
+}
+
+/// Blocks of 16, 8, 4, 2 and 1 vectors of columns, each summed over all of `x` in
+/// registers; the last `n % 16` columns in scalar code.
+///
+/// # Safety
+/// AVX-512F; `x.len() * out <= w.len()` and `j0 + ys.len() <= out`.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f")]
+unsafe fn add_columns_avx512<T: Load16>(w: &[T], x: &[f32], out: usize, j0: usize, ys: &mut [f32]) {
+    let n = ys.len();
+    let mut j = 0;
+    while n - j >= 16 {
+        let vecs = (n - j) / 16;
+        let done = match vecs {
+            16.. => column_block::<T, 16>(w, x, out, j0 + j, &mut ys[j..]),
+            8.. => column_block::<T, 8>(w, x, out, j0 + j, &mut ys[j..]),
+            4.. => column_block::<T, 4>(w, x, out, j0 + j, &mut ys[j..]),
+            2.. => column_block::<T, 2>(w, x, out, j0 + j, &mut ys[j..]),
+            _ => column_block::<T, 1>(w, x, out, j0 + j, &mut ys[j..]),
+        };
+        j += done;
+    }
+    for (c, y) in ys.iter_mut().enumerate().skip(j) {
+        let col = j0 + c;
+        *y += x
+            .iter()
+            .enumerate()
+            .map(|(k, xk)| xk * w[k * out + col].to_f32())
+            .sum::<f32>();
+    }
+}
+
+/// `ys[..16 V] += x W[:, j..j + 16 V]` with `V` accumulators; returns the columns done.
+///
+/// # Safety
+/// AVX-512F; `ys.len() >= 16 V`, `j + 16 V <= out` and `x.len() * out <= w.len()`.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f")]
+unsafe fn column_block<T: Load16, const V: usize>(
+    w: &[T],
+    x: &[f32],
+    out: usize,
+    j: usize,
+    ys: &mut [f32],
+) -> usize {
+    let (pw, py) = (w.as_ptr(), ys.as_mut_ptr());
+    let mut acc = [_mm512_setzero_ps(); V];
+    for (v, a) in acc.iter_mut().enumerate() {
+        *a = _mm512_loadu_ps(py.add(16 * v));
+    }
+    for (k, &xk) in x.iter().enumerate() {
+        let xv = _mm512_set1_ps(xk);
+        let row = pw.add(k * out + j);
+        for (v, a) in acc.iter_mut().enumerate() {
+            *a = _mm512_fmadd_ps(T::load16(row.add(16 * v)), xv, *a);
+        }
+    }
+    for (v, a) in acc.iter().enumerate() {
+        _mm512_storeu_ps(py.add(16 * v), *a);
+    }
+    16 * V
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn f(i: usize, m: usize) -> f32 {
+        ((i * 37 % m) as f32 - (m / 2) as f32) / 8.0
+    }
+
+    /// Every row count (the four-row passes and the rest) and input lengths with and
+    /// without a tail past the last whole vector, in the three types.
+    #[test]
+    fn dot_rows_equal_f64_sums() {
+        if !available() {
+            return;
+        }
+        for (rows, inp) in [(1, 16), (3, 17), (4, 576), (7, 40), (9, 1536), (5, 5)] {
+            let w: Vec<f32> = (0..rows * inp).map(|i| f(i, 17)).collect();
+            let x: Vec<f32> = (0..inp).map(|i| f(i, 11) / 2.0).collect();
+            let want: Vec<f64> = (0..rows)
+                .map(|r| {
+                    (0..inp)
+                        .map(|k| f64::from(w[r * inp + k]) * f64::from(x[k]))
+                        .sum()
+                })
+                .collect();
+            let check = |got: &[f32], what: &str| {
+                for (g, w) in got.iter().zip(&want) {
+                    assert!((f64::from(*g) - w).abs() < 1e-4, "{what} {rows}x{inp}");
+                }
+            };
+            let mut ys = vec![f32::NAN; rows];
+            assert!(dot_rows(&w, &x, &mut ys));
+            check(&ys, "f32");
+            // Multiples of 1/8 up to 1: exact in both half formats.
+            let wb: Vec<bf16> = w.iter().map(|&v| bf16::from_f32(v)).collect();
+            assert!(dot_rows(&wb, &x, &mut ys));
+            check(&ys, "bf16");
+            let wh: Vec<f16> = w.iter().map(|&v| f16::from_f32(v)).collect();
+            assert!(dot_rows(&wh, &x, &mut ys));
+            check(&ys, "f16");
+        }
+    }
+
+    /// Column blocks of every width (16 vectors down to a scalar tail), added to what `ys`
+    /// held, at an offset into the matrix.
+    #[test]
+    fn add_columns_equal_f64_sums() {
+        if !available() {
+            return;
+        }
+        let (inp, out) = (37, 700);
+        let w: Vec<f32> = (0..inp * out).map(|i| f(i, 13)).collect();
+        let x: Vec<f32> = (0..inp).map(|i| f(i, 7)).collect();
+        for (j0, n) in [(0, 700), (3, 256), (100, 255), (690, 10), (16, 16)] {
+            let want: Vec<f64> = (0..n)
+                .map(|c| {
+                    1.0 + (0..inp)
+                        .map(|k| f64::from(w[k * out + j0 + c]) * f64::from(x[k]))
+                        .sum::<f64>()
+                })
+                .collect();
+            let check = |got: &[f32], what: &str| {
+                for (g, w) in got.iter().zip(&want) {
+                    assert!((f64::from(*g) - w).abs() < 1e-4, "{what} {j0}+{n}");
+                }
+            };
+            let mut ys = vec![1f32; n];
+            assert!(add_columns(&w, &x, out, j0, &mut ys));
+            check(&ys, "f32");
+            let wb: Vec<bf16> = w.iter().map(|&v| bf16::from_f32(v)).collect();
+            ys.fill(1.0);
+            assert!(add_columns(&wb, &x, out, j0, &mut ys));
+            check(&ys, "bf16");
+            let wh: Vec<f16> = w.iter().map(|&v| f16::from_f32(v)).collect();
+            ys.fill(1.0);
+            assert!(add_columns(&wh, &x, out, j0, &mut ys));
+            check(&ys, "f16");
+        }
+        // A block past the matrix is refused, not read.
+        let mut ys = vec![0f32; 20];
+        assert!(!add_columns(&w, &x, out, 690, &mut ys));
+    }
+}
