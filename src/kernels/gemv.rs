@@ -137,7 +137,7 @@ fn dot<T: Widen>(a: &[T], b: &[f32]) -> f32 {
 /// `ys[r] = dot(W[r], x)` for the rows of a block `w` (`ys.len()` rows of `x.len()`):
 /// four rows at a time where [`Widen::FOUR_ROWS`] (four independent streams keep more reads
 /// in flight than one), else row by row.
-fn dot_rows<T: Widen>(w: &[T], x: &[f32], ys: &mut [f32]) {
+pub(crate) fn dot_rows<T: Widen>(w: &[T], x: &[f32], ys: &mut [f32]) {
     if gemv_avx512::dot_rows(w, x, ys) {
         return;
     }
@@ -286,7 +286,7 @@ pub(crate) fn gemv_t<T: Widen>(
 
 /// `ys += x W[:, j0..j0 + ys.len()]` for `W` `(in, out)`, with the widest vectors the CPU
 /// has.
-fn add_columns<T: Widen>(w: &[T], x: &[f32], out: usize, j0: usize, ys: &mut [f32]) {
+pub(crate) fn add_columns<T: Widen>(w: &[T], x: &[f32], out: usize, j0: usize, ys: &mut [f32]) {
     if gemv_avx512::add_columns(w, x, out, j0, ys) {
         return;
     }

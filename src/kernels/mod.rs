@@ -30,6 +30,7 @@ mod mask_plan;
 mod matrix;
 mod microkernel;
 mod microkernel_avx2;
+mod one_query;
 pub(crate) mod packed;
 mod problem;
 pub(crate) mod projection;

@@ -86,6 +86,12 @@ pub(crate) fn attention(
     let (_, kvh, sk, _) = k.dims4()?;
     let (_, _, _, dv) = v.dims4()?;
     let out_dtype = v.dtype();
+    if matches!(mode, WeightsMode::Skip) && mask.is_none_or(AttentionMask::is_empty) {
+        // A decode step on a half-precision cache: read as stored, no f32 copy.
+        if let Some(context) = super::one_query::attention(q, k, v, scale)? {
+            return Ok((context, None));
+        }
+    }
     let (q, k, v) = (f32_rows(q)?, f32_rows(k)?, f32_rows(v)?);
     let (qs, ks, vs) = (
         CpuF32::new(&q, "q")?,
