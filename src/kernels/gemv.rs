@@ -98,7 +98,7 @@ pub(crate) fn gemv<T: Widen>(
     if out * inp < 1 << 16 {
         y.chunks_mut(ROWS_PER_TASK).enumerate().for_each(work);
     } else {
-        y.par_chunks_mut(ROWS_PER_TASK).enumerate().for_each(work);
+        super::keep_warm::run(|| y.par_chunks_mut(ROWS_PER_TASK).enumerate().for_each(work));
     }
     Ok(())
 }
@@ -273,13 +273,15 @@ pub(crate) fn gemv_t<T: Widen>(
 ) -> Result<()> {
     let (out, _) = check(w.len(), x, bias, y)?;
     const COLS: usize = 256;
-    y.par_chunks_mut(COLS).enumerate().for_each(|(c, ys)| {
-        let j0 = c * COLS;
-        match bias {
-            Some(b) => ys.copy_from_slice(&b[j0..j0 + ys.len()]),
-            None => ys.fill(0.0),
-        }
-        add_columns(w, x, out, j0, ys);
+    super::keep_warm::run(|| {
+        y.par_chunks_mut(COLS).enumerate().for_each(|(c, ys)| {
+            let j0 = c * COLS;
+            match bias {
+                Some(b) => ys.copy_from_slice(&b[j0..j0 + ys.len()]),
+                None => ys.fill(0.0),
+            }
+            add_columns(w, x, out, j0, ys);
+        })
     });
     Ok(())
 }
@@ -504,7 +506,7 @@ pub(crate) fn gemv_gated<T: Widen>(
     if 2 * y.len() * inp < 1 << 16 {
         y.chunks_mut(ROWS_PER_TASK).enumerate().for_each(work);
     } else {
-        y.par_chunks_mut(ROWS_PER_TASK).enumerate().for_each(work);
+        super::keep_warm::run(|| y.par_chunks_mut(ROWS_PER_TASK).enumerate().for_each(work));
     }
     Ok(())
 }

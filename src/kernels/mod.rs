@@ -25,6 +25,7 @@ pub(crate) mod feed_forward;
 mod flash;
 pub(crate) mod gemv;
 mod gemv_avx512;
+mod keep_warm;
 pub(crate) mod layer_norm;
 mod mask_plan;
 mod matrix;

@@ -109,25 +109,27 @@ fn run<T: Widen>(
 ) -> Result<()> {
     let group = h / kvh.max(1);
     let log2_scale = (scale * std::f64::consts::LOG2_E) as f32;
-    ctx.par_chunks_mut(dv).enumerate().try_for_each(|(i, out)| {
-        let (bi, hi) = (i / h, i % h);
-        let g = hi / group.max(1);
-        let (kh, vh) = (k.head(bi, g)?, v.head(bi, g)?);
-        let qr: Vec<f32> = q[i * dk..(i + 1) * dk]
-            .iter()
-            .map(|x| x * log2_scale)
-            .collect();
-        with_scratch(sk, |s| {
-            dot_rows(kh, &qr, s); // (sk,) base-2 scores
-            let m = row_max(s);
-            let sum = exp2_shifted_sum(s, m);
-            out.fill(0.0);
-            add_columns(vh, s, dv, 0, out);
-            let inv = 1.0 / sum;
-            for o in out.iter_mut() {
-                *o *= inv;
-            }
-            Ok(())
+    super::keep_warm::run(|| {
+        ctx.par_chunks_mut(dv).enumerate().try_for_each(|(i, out)| {
+            let (bi, hi) = (i / h, i % h);
+            let g = hi / group.max(1);
+            let (kh, vh) = (k.head(bi, g)?, v.head(bi, g)?);
+            let qr: Vec<f32> = q[i * dk..(i + 1) * dk]
+                .iter()
+                .map(|x| x * log2_scale)
+                .collect();
+            with_scratch(sk, |s| {
+                dot_rows(kh, &qr, s); // (sk,) base-2 scores
+                let m = row_max(s);
+                let sum = exp2_shifted_sum(s, m);
+                out.fill(0.0);
+                add_columns(vh, s, dv, 0, out);
+                let inv = 1.0 / sum;
+                for o in out.iter_mut() {
+                    *o *= inv;
+                }
+                Ok(())
+            })
         })
     })
 }
