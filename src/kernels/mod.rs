@@ -18,6 +18,7 @@
 //! matmul uses); the softmax's `exp` is vectorised in [`simd`].
 
 pub(crate) mod activation;
+mod aligned;
 pub(crate) mod backward;
 pub(crate) mod cpu_tensor;
 mod f16_kernels;

@@ -13,6 +13,7 @@
 use rayon::prelude::*;
 
 use super::activation::gelu_erf_in_place;
+use super::aligned::AlignedFloats;
 use super::matrix::MatRef;
 use super::microkernel::{self, panel_product, Start};
 use crate::error::{Error, Result};
@@ -40,8 +41,8 @@ pub(crate) struct PackedWeight {
     k: usize,
     n: usize,
     panels: Vec<Panel>,
-    /// Panel `p` at `p * k * PANEL`, `(k, PANEL)` row-major.
-    data: Vec<f32>,
+    /// Panel `p` at `p * k * PANEL`, `(k, PANEL)` row-major, on a cache-line boundary.
+    data: AlignedFloats,
     /// Column ranges `[start, end)` (from `splits`), each with its first and end panel.
     segments: Vec<(usize, usize, usize, usize)>,
 }
@@ -74,7 +75,7 @@ impl PackedWeight {
             }
             segments.push((seg[0], seg[1], first, panels.len()));
         }
-        let mut data = vec![0f32; panels.len() * k * PANEL];
+        let mut data = AlignedFloats::zeroed(panels.len() * k * PANEL);
         for (p, panel) in panels.iter().enumerate() {
             let dst = &mut data[p * k * PANEL..(p + 1) * k * PANEL];
             for kk in 0..k {
