@@ -14,6 +14,7 @@ use serde_json::Value;
 use crate::config::{read_config_file, AttentionConfig};
 use crate::error::{Error, Result};
 use crate::kernels::gemv::{one_row_gated, one_row_linear};
+use crate::kernels::widen;
 use crate::kv_cache::KvCache;
 use crate::layout::WeightLayout;
 use crate::mask::AttentionMask;
@@ -172,10 +173,17 @@ impl DenseLinear {
     /// # Shapes
     /// - `x`: `(..., in)`; returns `(..., out)`
     fn forward(&self, x: &Tensor) -> Result<Tensor> {
-        match one_row_linear(x, self.0.weight(), self.0.bias(), true)? {
-            Some(y) => Ok(y),
-            None => Ok(self.0.forward(x)?),
+        let (w, b) = (self.0.weight(), self.0.bias());
+        if let Some(y) = one_row_linear(x, w, b, true)? {
+            return Ok(y);
         }
+        if x.dtype() != w.dtype() {
+            // f32 activations, half-precision weights (the CPU computes in f32): the weight
+            // widened once for all the rows.
+            let b = b.map(|b| b.to_dtype(x.dtype())).transpose()?;
+            return Ok(Linear::new(widen::to_f32(w)?, b).forward(x)?);
+        }
+        Ok(self.0.forward(x)?)
     }
 }
 
@@ -239,7 +247,8 @@ impl DecoderLayer {
     ) -> Result<(Tensor, Option<Tensor>)> {
         let (_, t, _) = x.dims3()?;
         let offset = cache.len();
-        let h = self.input_norm.forward(x)?;
+        // The attention runs in its weights' dtype; the rest of the layer in `x`'s.
+        let h = self.input_norm.forward(x)?.to_dtype(self.attn.dtype())?;
         let (q, k, v) = self.attn.project_qkv(&h)?;
         let q = rope.apply(&q, offset)?; // (b, h, t, hd)
         let k = rope.apply(&k, offset)?; // (b, kvh, t, hd)
@@ -273,16 +282,23 @@ impl DecoderLayer {
             need_weights,
         };
         let out = scaled_dot_product_attention(&q, &k_all, &v_all, mask.as_ref(), opts)?;
-        let x = (x + self.attn.merge_heads(&out.context)?)?; // context (b, h, t, vhd)
+        let attn = self.attn.merge_heads(&out.context)?.to_dtype(x.dtype())?; // context (b, h, t, vhd)
+        let x = (x + attn)?;
         let m = self.mlp.forward(&self.post_norm.forward(&x)?)?;
         Ok(((x + m)?, out.weights))
     }
 }
 
 /// A LLaMA-family causal language model.
+///
+/// With f16 / bf16 weights on the CPU the weights and the KV cache stay in the half format
+/// (half the bytes read per token) while the hidden states, norms and MLP activations are
+/// f32; on other devices everything runs in the weights' dtype.
 #[derive(Debug, Clone)]
 pub struct LlamaModel {
     cfg: LlamaConfig,
+    /// The dtype of the hidden states: f32 on the CPU, the weights' elsewhere.
+    compute: DType,
     embed: Embedding,
     layers: Vec<DecoderLayer>,
     norm: RmsNorm,
@@ -295,6 +311,17 @@ impl LlamaModel {
     /// Loads the model under `vb` (the checkpoint's root: `model.embed_tokens.weight`, ...).
     pub fn load(vb: VarBuilder, cfg: &LlamaConfig) -> Result<Self> {
         let d = cfg.hidden_size;
+        // On the CPU the hidden states, norms and MLP activations are f32 whatever the
+        // weights' dtype (the kernels widen half-precision weights as they read them).
+        let compute = if vb.device().is_cpu() {
+            DType::F32
+        } else {
+            vb.dtype()
+        };
+        let rms = |vb: VarBuilder| -> Result<RmsNorm> {
+            let w = vb.get(d, "weight")?.to_dtype(compute)?;
+            Ok(RmsNorm::new(w, cfg.rms_norm_eps))
+        };
         let m = vb.pp("model");
         let embed_w = m.pp("embed_tokens").get((cfg.vocab_size, d), "weight")?;
         let embed = Embedding::new(embed_w.clone(), d);
@@ -310,13 +337,9 @@ impl LlamaModel {
                 .with_hidden_size(d)
                 .with_head_dim(cfg.rope.head_dim);
             layers.push(DecoderLayer {
-                input_norm: candle_nn::rms_norm(d, cfg.rms_norm_eps, l.pp("input_layernorm"))?,
+                input_norm: rms(l.pp("input_layernorm"))?,
                 attn: MultiHeadSelfAttention::load(l.pp("self_attn"), &acfg)?,
-                post_norm: candle_nn::rms_norm(
-                    d,
-                    cfg.rms_norm_eps,
-                    l.pp("post_attention_layernorm"),
-                )?,
+                post_norm: rms(l.pp("post_attention_layernorm"))?,
                 mlp: Mlp::load(l.pp("mlp"), cfg)?,
                 window: cfg.window_of(i),
             });
@@ -328,7 +351,7 @@ impl LlamaModel {
                 )));
             }
         }
-        let norm = candle_nn::rms_norm(d, cfg.rms_norm_eps, m.pp("norm"))?;
+        let norm = rms(m.pp("norm"))?;
         let lm_head = DenseLinear(
             if cfg.tie_word_embeddings && !vb.contains_tensor("lm_head.weight") {
                 Linear::new(embed_w, None)
@@ -340,6 +363,7 @@ impl LlamaModel {
         let rope = RotaryEmbedding::new(cfg.rope.clone(), positions, vb.device())?;
         Ok(Self {
             cfg: cfg.clone(),
+            compute,
             embed,
             layers,
             norm,
@@ -432,7 +456,7 @@ impl LlamaModel {
                 "an empty sequence",
             ));
         }
-        let mut x = self.embed.forward(ids)?; // (b, t, hidden)
+        let mut x = self.embed.forward(ids)?.to_dtype(self.compute)?; // (b, t, hidden)
         let mut all = Vec::with_capacity(if weights { self.layers.len() } else { 0 });
         for (layer, cache) in self.layers.iter().zip(caches.iter_mut()) {
             let (next, w) = layer.forward(&x, &self.rope, cache, weights)?;

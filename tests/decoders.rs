@@ -174,9 +174,9 @@ fn smollm2_greedy_ids_equal_transformers() -> anyhow::Result<()> {
     Ok(())
 }
 
-/// Half precision runs the same decoder (bf16 through the one-row matrix-vector kernels,
-/// f16 through candle's product): the logits of a prefill and of decode steps stay within
-/// the rounding of the format of the f32 ones.
+/// Half-precision weights run the same decoder (on the CPU the weights and the cache stay
+/// f16 / bf16, the hidden states are f32): the logits of a prefill and of decode steps stay
+/// within the rounding of the format of the f32 ones.
 #[test]
 fn half_precision_decoding_follows_f32() -> anyhow::Result<()> {
     let dev = Device::Cpu;

@@ -44,6 +44,7 @@ mod simd;
 mod tile_products;
 pub(crate) mod trainable_layer;
 mod transpose;
+pub(crate) mod widen;
 
 pub use rows::WeightsBlock;
 

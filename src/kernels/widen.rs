@@ -1,0 +1,64 @@
+//! f16 / bf16 CPU tensors widened to f32 on the rayon pool (candle's conversion runs on
+//! one thread): the decoder computes in f32 on the CPU whatever its weights' dtype, and
+//! widens a half-precision weight once per product of many rows (a prompt's prefill).
+
+use candle_core::{CpuStorage, DType, Storage, Tensor};
+use half::slice::HalfFloatSliceExt;
+use rayon::prelude::*;
+
+use crate::error::Result;
+
+/// Values per task.
+const CHUNK: usize = 1 << 16;
+
+/// `t` as f32 (contiguous); other dtypes and devices through candle's conversion.
+pub(crate) fn to_f32(t: &Tensor) -> Result<Tensor> {
+    if t.dtype() == DType::F32 || !t.device().is_cpu() {
+        return Ok(t.to_dtype(DType::F32)?);
+    }
+    let t = t.contiguous()?;
+    let mut out = vec![0f32; t.elem_count()];
+    {
+        let (guard, layout) = t.storage_and_layout();
+        let Some((s, e)) = layout.contiguous_offsets() else {
+            return Ok(t.to_dtype(DType::F32)?);
+        };
+        match &*guard {
+            Storage::Cpu(CpuStorage::BF16(v)) => out
+                .par_chunks_mut(CHUNK)
+                .zip(v[s..e].par_chunks(CHUNK))
+                .for_each(|(o, h)| h.convert_to_f32_slice(o)),
+            Storage::Cpu(CpuStorage::F16(v)) => out
+                .par_chunks_mut(CHUNK)
+                .zip(v[s..e].par_chunks(CHUNK))
+                .for_each(|(o, h)| h.convert_to_f32_slice(o)),
+            _ => return Ok(t.to_dtype(DType::F32)?),
+        }
+    }
+    Ok(Tensor::from_vec(out, t.shape(), t.device())?)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use candle_core::Device;
+
+    #[test]
+    fn equals_candles_conversion() -> Result<()> {
+        let n = 3 * CHUNK + 17;
+        let v: Vec<f32> = (0..n).map(|i| (i as f32 - 5000.0) * 0.37).collect();
+        let t = Tensor::from_vec(v, n, &Device::Cpu)?;
+        for dt in [DType::BF16, DType::F16] {
+            let h = t.to_dtype(dt)?;
+            let want: Vec<f32> = h.to_dtype(DType::F32)?.flatten_all()?.to_vec1()?;
+            let got = to_f32(&h)?;
+            assert_eq!(got.dims(), t.dims());
+            assert_eq!(got.flatten_all()?.to_vec1::<f32>()?, want);
+            // A strided view too.
+            let ht = h.narrow(0, 1, n - 1)?;
+            let want: Vec<f32> = ht.to_dtype(DType::F32)?.flatten_all()?.to_vec1()?;
+            assert_eq!(to_f32(&ht)?.flatten_all()?.to_vec1::<f32>()?, want);
+        }
+        Ok(())
+    }
+}
