@@ -13,8 +13,22 @@ use crate::error::{Error, Result};
 /// measured no faster.
 const LANES: usize = 16;
 
-/// Outputs per task: enough work to amortise a task, few enough to spread over threads.
+/// Most outputs per task (the gated kernel keeps one task's up-projection on the stack).
 const ROWS_PER_TASK: usize = 256;
+/// Tasks per thread: equal tasks, so that a 576-row product on two threads does not run as
+/// 256 + 256 | 64 (see docs/performance.md).
+const TASKS_PER_THREAD: usize = 4;
+
+/// Outputs per task for `n` outputs: `n / (threads * TASKS_PER_THREAD)` rounded up to a
+/// multiple of `align`, between `align` and `most`.
+fn task_len(n: usize, align: usize, most: usize) -> usize {
+    let tasks = rayon::current_num_threads().max(1) * TASKS_PER_THREAD;
+    n.div_ceil(tasks)
+        .div_ceil(align)
+        .max(1)
+        .saturating_mul(align)
+        .min(most.max(align))
+}
 
 /// A weight element the kernels widen to f32 as they read it (f32 sums).
 pub(crate) trait Widen: Load16 {
@@ -86,8 +100,9 @@ pub(crate) fn gemv<T: Widen>(
     y: &mut [f32],
 ) -> Result<()> {
     let (out, inp) = check(w.len(), x, bias, y)?;
+    let len = task_len(out, 4, ROWS_PER_TASK);
     let work = |(c, ys): (usize, &mut [f32])| {
-        let j0 = c * ROWS_PER_TASK;
+        let j0 = c * len;
         dot_rows(&w[j0 * inp..(j0 + ys.len()) * inp], x, ys);
         if let Some(b) = bias {
             for (yv, bv) in ys.iter_mut().zip(&b[j0..]) {
@@ -96,9 +111,9 @@ pub(crate) fn gemv<T: Widen>(
         }
     };
     if out * inp < 1 << 16 {
-        y.chunks_mut(ROWS_PER_TASK).enumerate().for_each(work);
+        y.chunks_mut(len).enumerate().for_each(work);
     } else {
-        super::keep_warm::run(|| y.par_chunks_mut(ROWS_PER_TASK).enumerate().for_each(work));
+        super::keep_warm::run(|| y.par_chunks_mut(len).enumerate().for_each(work));
     }
     Ok(())
 }
@@ -272,10 +287,12 @@ pub(crate) fn gemv_t<T: Widen>(
     y: &mut [f32],
 ) -> Result<()> {
     let (out, _) = check(w.len(), x, bias, y)?;
-    const COLS: usize = 256;
+    // Column blocks of whole cache lines of bf16 (the AVX-512 kernel keeps up to 256 in
+    // registers).
+    let cols = task_len(out, 32, 256);
     super::keep_warm::run(|| {
-        y.par_chunks_mut(COLS).enumerate().for_each(|(c, ys)| {
-            let j0 = c * COLS;
+        y.par_chunks_mut(cols).enumerate().for_each(|(c, ys)| {
+            let j0 = c * cols;
             match bias {
                 Some(b) => ys.copy_from_slice(&b[j0..j0 + ys.len()]),
                 None => ys.fill(0.0),
@@ -491,8 +508,9 @@ pub(crate) fn gemv_gated<T: Widen>(
 ) -> Result<()> {
     let (_, inp) = check(wg.len(), x, bg, y)?;
     check(wu.len(), x, bu, y)?;
+    let len = task_len(y.len(), 4, ROWS_PER_TASK);
     let work = |(c, ys): (usize, &mut [f32])| {
-        let (j0, n) = (c * ROWS_PER_TASK, ys.len());
+        let (j0, n) = (c * len, ys.len());
         let mut ups = [0f32; ROWS_PER_TASK];
         let ups = &mut ups[..n];
         dot_rows(&wg[j0 * inp..(j0 + n) * inp], x, ys);
@@ -504,9 +522,9 @@ pub(crate) fn gemv_gated<T: Widen>(
         }
     };
     if 2 * y.len() * inp < 1 << 16 {
-        y.chunks_mut(ROWS_PER_TASK).enumerate().for_each(work);
+        y.chunks_mut(len).enumerate().for_each(work);
     } else {
-        super::keep_warm::run(|| y.par_chunks_mut(ROWS_PER_TASK).enumerate().for_each(work));
+        super::keep_warm::run(|| y.par_chunks_mut(len).enumerate().for_each(work));
     }
     Ok(())
 }
