@@ -6,6 +6,7 @@
 //! cargo run --release --example bench -- --batch 1 --seq 128 --hidden 768 --heads 12 \
 //!   [--kv-heads N] [--causal] [--weights] [--dtype f32] [--iters N] [--core] [--device D] \
 //!   [--impl ours|naive|candle-flash|candle-matmul] [--pool caller|detached] [--train] [--json]
+//! cargo run --release --example bench -- --fma-peak | --bandwidth   # the machine's limits
 //! ```
 //!
 //! `--train` times one training step instead of a forward: the forward on variables (a fresh
@@ -130,6 +131,11 @@ struct Args {
     /// every rayon thread; prints GFLOP/s (the reference for FLOP rates in benches/).
     #[arg(long)]
     fma_peak: bool,
+    /// Measure the machine's memory read bandwidth instead: every rayon thread sums its part
+    /// of a 1 GiB buffer at once; prints GB/s (the bound of a decode step, which reads every
+    /// weight once).
+    #[arg(long)]
+    bandwidth: bool,
     /// Which implementation to time with `--json`.
     #[arg(long = "impl", value_enum, default_value_t = Impl::Ours)]
     implementation: Impl,
@@ -183,6 +189,22 @@ fn main() -> anyhow::Result<()> {
         } else {
             println!(
                 "FMA peak: {gflops:.1} GFLOP/s ({isa}, {} threads)",
+                rayon::current_num_threads()
+            );
+        }
+        return Ok(());
+    }
+    if args.bandwidth {
+        let gbs = read_bandwidth();
+        if args.json {
+            println!(
+                "{}",
+                serde_json::json!({"read_bandwidth_gb_s": round3(gbs),
+                    "threads": rayon::current_num_threads()})
+            );
+        } else {
+            println!(
+                "read bandwidth: {gbs:.1} GB/s ({} threads)",
                 rayon::current_num_threads()
             );
         }
@@ -684,6 +706,48 @@ fn fma_peak() -> anyhow::Result<(f64, &'static str)> {
     #[cfg(not(target_arch = "x86_64"))]
     bail!("--fma-peak is implemented for x86-64 only")
 }
+
+/// GB/s of reading a 1 GiB buffer (written first, so every page is real memory: untouched
+/// pages all map one zero page and would measure the cache) with every rayon thread
+/// summing its share at once; best of 5 passes.
+fn read_bandwidth() -> f64 {
+    use rayon::prelude::*;
+    const BYTES: usize = 1 << 30;
+    const CHUNK: usize = 1 << 16;
+    let mut buf = vec![0f32; BYTES / 4];
+    buf.par_chunks_mut(CHUNK)
+        .enumerate()
+        .for_each(|(i, c)| c.fill(i as f32));
+    let per_thread = buf.len().div_ceil(rayon::current_num_threads());
+    let mut best = 0f64;
+    for _ in 0..5 {
+        let t = Instant::now();
+        let sum: f32 = buf
+            .par_chunks(per_thread)
+            .map(|part| {
+                // STREAMS streams at once, sixteen lanes each (kept in vector registers).
+                let q = part.len() / STREAMS / 16 * 16;
+                let mut acc = [[0f32; 16]; STREAMS];
+                for i in (0..q).step_by(16) {
+                    for (s, a) in acc.iter_mut().enumerate() {
+                        for (x, v) in a.iter_mut().zip(&part[s * q + i..s * q + i + 16]) {
+                            *x += v;
+                        }
+                    }
+                }
+                acc.iter().flatten().sum::<f32>() + part[STREAMS * q..].iter().sum::<f32>()
+            })
+            .sum();
+        let secs = t.elapsed().as_secs_f64();
+        std::hint::black_box(sum);
+        best = best.max(BYTES as f64 / secs / 1e9);
+    }
+    best
+}
+
+/// Streams each thread reads at once in `--bandwidth`: one keeps too few reads in flight
+/// to reach a core's share (see docs/performance.md).
+const STREAMS: usize = 4;
 
 /// Independent accumulator chains: enough to cover the FMA latency on two ports.
 #[cfg(target_arch = "x86_64")]

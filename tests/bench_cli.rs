@@ -157,3 +157,14 @@ fn bad_shapes_are_clear_errors() -> anyhow::Result<()> {
     }
     Ok(())
 }
+
+/// `--fma-peak` and `--bandwidth` measure the machine's limits (one JSON object each).
+#[test]
+fn machine_limits_are_reported() -> anyhow::Result<()> {
+    let peak = json_of(&["--fma-peak", "--json"])?;
+    assert!(num(&peak, "fma_peak_gflops")? > 0.0);
+    let bw = json_of(&["--bandwidth", "--json"])?;
+    assert!(num(&bw, "read_bandwidth_gb_s")? > 0.0);
+    assert!(num(&bw, "threads")? >= 1.0);
+    Ok(())
+}
