@@ -7,7 +7,7 @@
 //! | route | when | forward | backward |
 //! |---|---|---|---|
 //! | `FusedLayer` | a layer on the CPU, f32, Q/K/V fused, path `Auto`, no input or weight tracks gradients | the whole layer on the CPU kernels: Q/K/V micro-kernel product, attention reading the heads in place, `W_O` | none: nothing to differentiate |
-//! | `CpuKernels` | the CPU, path `Auto`, nothing tracks gradients (any dtype, computed in f32) | tiled online softmax (no weights), row blocks (weights returned or streamed) | none |
+//! | `CpuKernels` | the CPU, path `Auto`, nothing tracks gradients (any dtype, computed in f32) | tiled online softmax (no weights), row blocks (weights returned or streamed); one query row per head against an f16 / bf16 cache (a decode step) read as stored (`kernels::one_query`) | none |
 //! | `CpuKernelsTrainable` | the CPU, f32, path `Auto`, something tracks gradients, no weights asked, the mask holds no tensor that tracks gradients | self-attention in a layer: the whole layer as one candle op on the kernels (`crate::layer_op`); cross-attention: the tiled kernel on the two projections as one op; `scaled_dot_product_attention`: the tiled kernel as one op (`crate::sdpa_op`); each keeps the rows' log-sum-exps | the FlashAttention-2-style CPU kernel (probabilities recomputed per tile from the log-sum-exps, memory linear in the sequence), and for the layer its projections' products on the same buffers |
 //! | `Flash` | CUDA with feature `flash-attn`, f16/bf16, no weights, nothing tracks gradients, no mask or the plain (bottom-right) causal one, equal head dims up to 256 | candle-flash-attn | none |
 //! | `Explicit` | everything else, and path `Explicit` | candle ops: `Q K^T`, masked softmax in f32, `P V` | candle's autograd |
