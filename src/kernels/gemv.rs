@@ -30,13 +30,12 @@ fn task_len(n: usize, align: usize, most: usize) -> usize {
         .min(most.max(align))
 }
 
-/// A weight element the kernels widen to f32 as they read it (f32 sums).
+/// A weight element the kernels widen to f32 as they read it (f32 sums; the scalar
+/// widening is [`Load16::to_f32`]).
 pub(crate) trait Widen: Load16 {
-    /// Whether [`gemv`] reads four rows at a time (measured faster for f32, slower for bf16:
-    /// see docs/performance.md).
+    /// Whether the portable loops of [`gemv`] read four rows at a time (measured faster for
+    /// f32, slower for bf16: see docs/performance.md).
     const FOUR_ROWS: bool = false;
-
-    fn widen(self) -> f32;
 
     /// `sum a[i] b[i]` by a kernel of this type's own, where it has one.
     fn dot_special(_a: &[Self], _b: &[f32]) -> Option<f32> {
@@ -56,11 +55,6 @@ pub(crate) trait Widen: Load16 {
 }
 
 impl Widen for half::f16 {
-    #[inline(always)]
-    fn widen(self) -> f32 {
-        self.to_f32()
-    }
-
     /// The hardware conversion (F16C / AVX-512F): the compiler cannot vectorise the
     /// scalar one.
     fn dot_special(a: &[Self], b: &[f32]) -> Option<f32> {
@@ -74,20 +68,9 @@ impl Widen for half::f16 {
 
 impl Widen for f32 {
     const FOUR_ROWS: bool = true;
-
-    #[inline(always)]
-    fn widen(self) -> f32 {
-        self
-    }
 }
 
-impl Widen for half::bf16 {
-    /// bf16 is the top half of an f32: widening is a shift.
-    #[inline(always)]
-    fn widen(self) -> f32 {
-        f32::from_bits(u32::from(self.to_bits()) << 16)
-    }
-}
+impl Widen for half::bf16 {}
 
 /// `y[j] = dot(W[j], x) + b[j]` for `W` `(out, in)` row-major, f32 or bf16.
 ///
@@ -211,10 +194,10 @@ fn dot_rows_lanes<T: Widen>(w: &[T], x: &[f32], ys: &mut [f32]) {
             .zip(xs)
         {
             for k in 0..LANES {
-                acc[0][k] += a[k].widen() * xv[k];
-                acc[1][k] += b[k].widen() * xv[k];
-                acc[2][k] += c[k].widen() * xv[k];
-                acc[3][k] += d[k].widen() * xv[k];
+                acc[0][k] += a[k].to_f32() * xv[k];
+                acc[1][k] += b[k].to_f32() * xv[k];
+                acc[2][k] += c[k].to_f32() * xv[k];
+                acc[3][k] += d[k].to_f32() * xv[k];
             }
         }
         let t0 = inp - tail_x.len();
@@ -222,7 +205,7 @@ fn dot_rows_lanes<T: Widen>(w: &[T], x: &[f32], ys: &mut [f32]) {
             let tail: f32 = row[t0..]
                 .iter()
                 .zip(tail_x)
-                .map(|(a, b)| a.widen() * b)
+                .map(|(a, b)| a.to_f32() * b)
                 .sum();
             ys[4 * q + i] = acc[i].iter().sum::<f32>() + tail;
         }
@@ -268,11 +251,11 @@ fn dot_lanes<T: Widen>(a: &[T], b: &[f32]) -> f32 {
         .remainder()
         .iter()
         .zip(cb.remainder())
-        .map(|(x, y)| x.widen() * y)
+        .map(|(x, y)| x.to_f32() * y)
         .sum();
     for (x, y) in ca.zip(cb) {
         for k in 0..LANES {
-            acc[k] += x[k].widen() * y[k];
+            acc[k] += x[k].to_f32() * y[k];
         }
     }
     acc.iter().sum::<f32>() + tail
@@ -347,7 +330,7 @@ fn add_columns_lanes<T: Widen>(w: &[T], x: &[f32], out: usize, j0: usize, ys: &m
     let n = ys.len();
     for (k, &xk) in x.iter().enumerate() {
         for (yv, wv) in ys.iter_mut().zip(&w[k * out + j0..k * out + j0 + n]) {
-            *yv += xk * wv.widen();
+            *yv += xk * wv.to_f32();
         }
     }
 }
