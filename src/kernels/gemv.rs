@@ -269,7 +269,33 @@ pub(crate) fn gemv_t<T: Widen>(
     bias: Option<&[f32]>,
     y: &mut [f32],
 ) -> Result<()> {
-    let (out, _) = check(w.len(), x, bias, y)?;
+    let (out, inp) = check(w.len(), x, bias, y)?;
+    if gemv_avx512::available() && inp > 0 {
+        // Each task streams a contiguous stretch of rows into a partial sum of its own;
+        // column blocks read every row in pieces, at the weight's row stride.
+        let rows = task_len(inp, 4, usize::MAX);
+        let tasks = inp.div_ceil(rows);
+        let mut partials = vec![0f32; tasks * out];
+        let add = |(t, acc): (usize, &mut [f32])| {
+            let (r0, r1) = (t * rows, ((t + 1) * rows).min(inp));
+            gemv_avx512::add_rows(&w[r0 * out..r1 * out], &x[r0..r1], acc);
+        };
+        if out * inp < 1 << 16 {
+            partials.chunks_mut(out).enumerate().for_each(add);
+        } else {
+            super::keep_warm::run(|| partials.par_chunks_mut(out).enumerate().for_each(add));
+        }
+        match bias {
+            Some(b) => y.copy_from_slice(b),
+            None => y.fill(0.0),
+        }
+        for p in partials.chunks_exact(out) {
+            for (yv, pv) in y.iter_mut().zip(p) {
+                *yv += pv;
+            }
+        }
+        return Ok(());
+    }
     // Column blocks of whole cache lines of bf16 (the AVX-512 kernel keeps up to 256 in
     // registers).
     let cols = task_len(out, 32, 256);

@@ -163,6 +163,65 @@ unsafe fn dot_rows_avx512<T: Load16>(w: &[T], x: &[f32], ys: &mut [f32]) {
     }
 }
 
+/// `acc[j] += sum_r x[r] w[r * out + j]` over the `x.len()` rows of `w` (`out =
+/// acc.len()` values each, one after another): the rows read in order, four at a time, so
+/// that a task streams one contiguous stretch of a `(in, out)` weight; false (nothing done)
+/// without AVX-512 or when the sizes disagree.
+pub(crate) fn add_rows<T: Load16>(w: &[T], x: &[f32], acc: &mut [f32]) -> bool {
+    if !available() || w.len() != x.len() * acc.len() {
+        return false;
+    }
+    #[cfg(target_arch = "x86_64")]
+    // SAFETY: the CPU has AVX-512F (checked by `available`); `w` holds `x.len()` rows of
+    // `acc.len()` values (checked above).
+    unsafe {
+        add_rows_avx512(w, x, acc)
+    };
+    true
+}
+
+/// # Safety
+/// AVX-512F; `w.len() == x.len() * acc.len()`.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f")]
+unsafe fn add_rows_avx512<T: Load16>(w: &[T], x: &[f32], acc: &mut [f32]) {
+    let out = acc.len();
+    let full = out - out % 16;
+    let (pw, pa) = (w.as_ptr(), acc.as_mut_ptr());
+    let mut r = 0;
+    while r + GROUP <= x.len() {
+        let xs: [__m512; GROUP] = std::array::from_fn(|i| _mm512_set1_ps(x[r + i]));
+        let rows: [*const T; GROUP] = std::array::from_fn(|i| pw.add((r + i) * out));
+        let mut j = 0;
+        while j < full {
+            let mut a = _mm512_loadu_ps(pa.add(j));
+            for (xv, row) in xs.iter().zip(&rows) {
+                a = _mm512_fmadd_ps(*xv, T::load16(row.add(j)), a);
+            }
+            _mm512_storeu_ps(pa.add(j), a);
+            j += 16;
+        }
+        for (j, y) in acc.iter_mut().enumerate().skip(full) {
+            *y += (r..r + GROUP)
+                .map(|i| x[i] * w[i * out + j].to_f32())
+                .sum::<f32>();
+        }
+        r += GROUP;
+    }
+    for (i, &xi) in x.iter().enumerate().skip(r) {
+        let (xv, row) = (_mm512_set1_ps(xi), pw.add(i * out));
+        let mut j = 0;
+        while j < full {
+            let a = _mm512_fmadd_ps(xv, T::load16(row.add(j)), _mm512_loadu_ps(pa.add(j)));
+            _mm512_storeu_ps(pa.add(j), a);
+            j += 16;
+        }
+        for (j, y) in acc.iter_mut().enumerate().skip(full) {
+            *y += xi * w[i * out + j].to_f32();
+        }
+    }
+}
+
 /// `ys[j] += sum_k x[k] w[k * out + j0 + j]` (a block of columns of `x W`, `W` `(in, out)`
 /// row-major); false (nothing done) without AVX-512 or when the block runs past `w`.
 pub(crate) fn add_columns<T: Load16>(
@@ -328,5 +387,41 @@ mod tests {
         // A block past the matrix is refused, not read.
         let mut ys = vec![0f32; 20];
         assert!(!add_columns(&w, &x, out, 690, &mut ys));
+    }
+
+    /// Rows in groups of four and alone, widths with and without a tail, added to `acc`.
+    #[test]
+    fn add_rows_equal_f64_sums() {
+        if !available() {
+            return;
+        }
+        for (rows, out) in [(1, 16), (4, 17), (7, 960), (9, 5), (72, 576)] {
+            let w: Vec<f32> = (0..rows * out).map(|i| f(i, 13)).collect();
+            let x: Vec<f32> = (0..rows).map(|i| f(i, 7)).collect();
+            let want: Vec<f64> = (0..out)
+                .map(|j| {
+                    0.5 + (0..rows)
+                        .map(|r| f64::from(w[r * out + j]) * f64::from(x[r]))
+                        .sum::<f64>()
+                })
+                .collect();
+            let check = |got: &[f32], what: &str| {
+                for (g, v) in got.iter().zip(&want) {
+                    assert!((f64::from(*g) - v).abs() < 1e-4, "{what} {rows}x{out}");
+                }
+            };
+            let mut acc = vec![0.5f32; out];
+            assert!(add_rows(&w, &x, &mut acc));
+            check(&acc, "f32");
+            let wb: Vec<bf16> = w.iter().map(|&v| bf16::from_f32(v)).collect();
+            acc.fill(0.5);
+            assert!(add_rows(&wb, &x, &mut acc));
+            check(&acc, "bf16");
+            let wh: Vec<f16> = w.iter().map(|&v| f16::from_f32(v)).collect();
+            acc.fill(0.5);
+            assert!(add_rows(&wh, &x, &mut acc));
+            check(&acc, "f16");
+        }
+        assert!(!add_rows(&[0f32; 10], &[1.0, 2.0], &mut [0f32; 4]));
     }
 }
