@@ -261,8 +261,9 @@ fn dot_lanes<T: Widen>(a: &[T], b: &[f32]) -> f32 {
     acc.iter().sum::<f32>() + tail
 }
 
-/// `y = x W + b` for weights stored `(in, out)` row-major (the transposed form), f32 or
-/// bf16: each task owns a block of output columns and adds `x[k] W[k, block]` over `k`.
+/// `y = x W + b` for weights stored `(in, out)` row-major (the transposed form), f32, bf16
+/// or f16: each task adds `x[k] W[k, :]` over a stretch of `k` into a partial sum, and the
+/// partial sums are added at the end.
 pub(crate) fn gemv_t<T: Widen>(
     w: &[T],
     x: &[f32],
@@ -270,54 +271,45 @@ pub(crate) fn gemv_t<T: Widen>(
     y: &mut [f32],
 ) -> Result<()> {
     let (out, inp) = check(w.len(), x, bias, y)?;
-    if gemv_avx512::available() && inp > 0 {
-        // Each task streams a contiguous stretch of rows into a partial sum of its own;
-        // column blocks read every row in pieces, at the weight's row stride.
-        let rows = task_len(inp, 4, usize::MAX);
-        let tasks = inp.div_ceil(rows);
-        let mut partials = vec![0f32; tasks * out];
-        let add = |(t, acc): (usize, &mut [f32])| {
-            let (r0, r1) = (t * rows, ((t + 1) * rows).min(inp));
-            gemv_avx512::add_rows(&w[r0 * out..r1 * out], &x[r0..r1], acc);
-        };
-        if out * inp < 1 << 16 {
-            partials.chunks_mut(out).enumerate().for_each(add);
-        } else {
-            super::keep_warm::run(|| partials.par_chunks_mut(out).enumerate().for_each(add));
-        }
-        match bias {
-            Some(b) => y.copy_from_slice(b),
-            None => y.fill(0.0),
-        }
-        for p in partials.chunks_exact(out) {
-            for (yv, pv) in y.iter_mut().zip(p) {
-                *yv += pv;
-            }
-        }
+    match bias {
+        Some(b) => y.copy_from_slice(b),
+        None => y.fill(0.0),
+    }
+    if inp == 0 {
         return Ok(());
     }
-    // Column blocks of whole cache lines of bf16 (the AVX-512 kernel keeps up to 256 in
-    // registers).
-    let cols = task_len(out, 32, 256);
-    super::keep_warm::run(|| {
-        y.par_chunks_mut(cols).enumerate().for_each(|(c, ys)| {
-            let j0 = c * cols;
-            match bias {
-                Some(b) => ys.copy_from_slice(&b[j0..j0 + ys.len()]),
-                None => ys.fill(0.0),
-            }
-            add_columns(w, x, out, j0, ys);
-        })
-    });
+    // Each task streams a contiguous stretch of rows into a partial sum of its own (column
+    // blocks would read every row in pieces, at the weight's row stride).
+    let rows = task_len(inp, 4, usize::MAX);
+    let mut partials = vec![0f32; inp.div_ceil(rows) * out];
+    let add = |(t, acc): (usize, &mut [f32])| {
+        let (r0, r1) = (t * rows, ((t + 1) * rows).min(inp));
+        add_rows(&w[r0 * out..r1 * out], &x[r0..r1], acc);
+    };
+    if out * inp < 1 << 16 {
+        partials.chunks_mut(out).enumerate().for_each(add);
+    } else {
+        super::keep_warm::run(|| partials.par_chunks_mut(out).enumerate().for_each(add));
+    }
+    for p in partials.chunks_exact(out) {
+        for (yv, pv) in y.iter_mut().zip(p) {
+            *yv += pv;
+        }
+    }
     Ok(())
+}
+
+/// `acc += x W` for the `x.len()` rows of `W` (`acc.len()` columns each), the rows read in
+/// order, with the widest vectors the CPU has.
+pub(crate) fn add_rows<T: Widen>(w: &[T], x: &[f32], acc: &mut [f32]) {
+    if !gemv_avx512::add_rows(w, x, acc) {
+        add_columns(w, x, acc.len(), 0, acc);
+    }
 }
 
 /// `ys += x W[:, j0..j0 + ys.len()]` for `W` `(in, out)`, with the widest vectors the CPU
 /// has.
-pub(crate) fn add_columns<T: Widen>(w: &[T], x: &[f32], out: usize, j0: usize, ys: &mut [f32]) {
-    if gemv_avx512::add_columns(w, x, out, j0, ys) {
-        return;
-    }
+fn add_columns<T: Widen>(w: &[T], x: &[f32], out: usize, j0: usize, ys: &mut [f32]) {
     if T::add_columns_special(w, x, out, j0, ys) {
         return;
     }
@@ -377,9 +369,7 @@ impl<'a> CpuWeight<'a> {
         match storage {
             Storage::Cpu(CpuStorage::F32(v)) => Some(Self::F32(&v[s..e])),
             Storage::Cpu(CpuStorage::BF16(v)) => Some(Self::Bf16(&v[s..e])),
-            Storage::Cpu(CpuStorage::F16(v))
-                if f16_kernels::available() || gemv_avx512::available() =>
-            {
+            Storage::Cpu(CpuStorage::F16(v)) if f16_kernels::available() => {
                 Some(Self::F16(&v[s..e]))
             }
             _ => None,
@@ -542,15 +532,27 @@ pub(crate) fn gemv_gated<T: Widen>(
 mod tests {
     use super::*;
 
+    /// `n` values `((i * mul) % m - off) / div`: small multiples of `1 / div`.
+    fn pattern(n: usize, mul: usize, m: usize, off: f32, div: f32) -> Vec<f32> {
+        (0..n).map(|i| ((i * mul % m) as f32 - off) / div).collect()
+    }
+
+    /// `w` `(out, inp)` row-major as `(inp, out)` row-major.
+    fn transposed(w: &[f32], out: usize, inp: usize) -> Vec<f32> {
+        let mut wt = vec![0f32; out * inp];
+        for j in 0..out {
+            for k in 0..inp {
+                wt[k * out + j] = w[j * inp + k];
+            }
+        }
+        wt
+    }
+
     #[test]
     fn equals_the_definition() -> Result<()> {
         for (out, inp) in [(3, 5), (300, 37), (1000, 576)] {
-            let w: Vec<f32> = (0..out * inp)
-                .map(|i| ((i * 31 % 17) as f32 - 8.0) / 9.0)
-                .collect();
-            let x: Vec<f32> = (0..inp)
-                .map(|i| ((i * 7 % 11) as f32 - 5.0) / 4.0)
-                .collect();
+            let w = pattern(out * inp, 31, 17, 8.0, 9.0);
+            let x = pattern(inp, 7, 11, 5.0, 4.0);
             let b: Vec<f32> = (0..out).map(|i| i as f32 / 100.0).collect();
             let mut y = vec![f32::NAN; out];
             gemv(&w, &x, Some(&b), &mut y)?;
@@ -571,23 +573,14 @@ mod tests {
     #[test]
     fn half_and_transposed_forms_equal_the_f32_one() -> Result<()> {
         let (out, inp) = (700, 600);
-        let w: Vec<f32> = (0..out * inp)
-            .map(|i| ((i * 31 % 17) as f32 - 8.0) / 8.0)
-            .collect();
-        let x: Vec<f32> = (0..inp)
-            .map(|i| ((i * 7 % 11) as f32 - 5.0) / 4.0)
-            .collect();
+        let w = pattern(out * inp, 31, 17, 8.0, 8.0);
+        let x = pattern(inp, 7, 11, 5.0, 4.0);
         let b: Vec<f32> = (0..out).map(|i| i as f32 / 64.0).collect();
         let mut want = vec![0f32; out];
         gemv(&w, &x, Some(&b), &mut want)?;
         // Exactly representable in both half formats (multiples of 1/8 up to 1).
         let wb: Vec<half::bf16> = w.iter().map(|&v| half::bf16::from_f32(v)).collect();
-        let mut wt = vec![0f32; out * inp];
-        for j in 0..out {
-            for k in 0..inp {
-                wt[k * out + j] = w[j * inp + k];
-            }
-        }
+        let wt = transposed(&w, out, inp);
         let mut got = vec![f32::NAN; out];
         let close = |got: &[f32], what: &str| {
             for (g, w) in got.iter().zip(&want) {
@@ -614,15 +607,9 @@ mod tests {
     #[test]
     fn gated_rows_equal_silu_of_gate_times_up() -> Result<()> {
         let (out, inp) = (300, 70);
-        let wg: Vec<f32> = (0..out * inp)
-            .map(|i| ((i * 31 % 17) as f32 - 8.0) / 9.0)
-            .collect();
-        let wu: Vec<f32> = (0..out * inp)
-            .map(|i| ((i * 13 % 19) as f32 - 9.0) / 7.0)
-            .collect();
-        let x: Vec<f32> = (0..inp)
-            .map(|i| ((i * 7 % 11) as f32 - 5.0) / 4.0)
-            .collect();
+        let wg = pattern(out * inp, 31, 17, 8.0, 9.0);
+        let wu = pattern(out * inp, 13, 19, 9.0, 7.0);
+        let x = pattern(inp, 7, 11, 5.0, 4.0);
         let (bg, bu): (Vec<f32>, Vec<f32>) = (0..out)
             .map(|i| (i as f32 / 50.0 - 3.0, 1.0 - i as f32 / 80.0))
             .unzip();
@@ -652,12 +639,8 @@ mod tests {
     #[test]
     fn portable_loops_equal_the_definition() {
         let (out, inp) = (7, 53);
-        let w: Vec<f32> = (0..out * inp)
-            .map(|i| ((i * 31 % 17) as f32 - 8.0) / 8.0)
-            .collect();
-        let x: Vec<f32> = (0..inp)
-            .map(|i| ((i * 7 % 11) as f32 - 5.0) / 4.0)
-            .collect();
+        let w = pattern(out * inp, 31, 17, 8.0, 8.0);
+        let x = pattern(inp, 7, 11, 5.0, 4.0);
         let want: Vec<f32> = (0..out)
             .map(|j| (0..inp).map(|k| w[j * inp + k] * x[k]).sum())
             .collect();
@@ -673,12 +656,7 @@ mod tests {
             .map(|j| dot_lanes(&w[j * inp..(j + 1) * inp], &x))
             .collect();
         close(&single, "one row");
-        let mut wt = vec![0f32; out * inp];
-        for j in 0..out {
-            for k in 0..inp {
-                wt[k * out + j] = w[j * inp + k];
-            }
-        }
+        let wt = transposed(&w, out, inp);
         ys.fill(0.0);
         add_columns_lanes(&wt, &x, out, 0, &mut ys);
         close(&ys, "columns");

@@ -1,6 +1,6 @@
 //! The matrix-vector kernels' AVX-512 loops for f32, bf16 and f16 weights (f32 sums):
-//! four weight rows per pass with one FMA chain each, and column blocks of `x W` kept in
-//! registers across the whole input. The compiler-vectorised loops of [`super::gemv`] ran a
+//! `W x` four weight rows per pass with one FMA chain each, and `x W` four rows at a time
+//! added into a partial sum. The compiler-vectorised loops of [`super::gemv`] ran a
 //! single dependent add chain per row with a serial horizontal sum, which held bf16 reads to
 //! ~14 GB/s on two cores (see docs/performance.md).
 
@@ -222,90 +222,6 @@ unsafe fn add_rows_avx512<T: Load16>(w: &[T], x: &[f32], acc: &mut [f32]) {
     }
 }
 
-/// `ys[j] += sum_k x[k] w[k * out + j0 + j]` (a block of columns of `x W`, `W` `(in, out)`
-/// row-major); false (nothing done) without AVX-512 or when the block runs past `w`.
-pub(crate) fn add_columns<T: Load16>(
-    w: &[T],
-    x: &[f32],
-    out: usize,
-    j0: usize,
-    ys: &mut [f32],
-) -> bool {
-    let n = ys.len();
-    if !available() || x.is_empty() || j0 + n > out || x.len() * out > w.len() {
-        return false;
-    }
-    #[cfg(target_arch = "x86_64")]
-    // SAFETY: the CPU has AVX-512F (checked by `available`); every row `k < x.len()` of `w`
-    // holds columns `j0..j0 + n` (checked above).
-    unsafe {
-        add_columns_avx512(w, x, out, j0, ys)
-    };
-    true
-}
-
-/// Blocks of 16, 8, 4, 2 and 1 vectors of columns, each summed over all of `x` in
-/// registers; the last `n % 16` columns in scalar code.
-///
-/// # Safety
-/// AVX-512F; `x.len() * out <= w.len()` and `j0 + ys.len() <= out`.
-#[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx512f")]
-unsafe fn add_columns_avx512<T: Load16>(w: &[T], x: &[f32], out: usize, j0: usize, ys: &mut [f32]) {
-    let n = ys.len();
-    let mut j = 0;
-    while n - j >= 16 {
-        let vecs = (n - j) / 16;
-        let done = match vecs {
-            16.. => column_block::<T, 16>(w, x, out, j0 + j, &mut ys[j..]),
-            8.. => column_block::<T, 8>(w, x, out, j0 + j, &mut ys[j..]),
-            4.. => column_block::<T, 4>(w, x, out, j0 + j, &mut ys[j..]),
-            2.. => column_block::<T, 2>(w, x, out, j0 + j, &mut ys[j..]),
-            _ => column_block::<T, 1>(w, x, out, j0 + j, &mut ys[j..]),
-        };
-        j += done;
-    }
-    for (c, y) in ys.iter_mut().enumerate().skip(j) {
-        let col = j0 + c;
-        *y += x
-            .iter()
-            .enumerate()
-            .map(|(k, xk)| xk * w[k * out + col].to_f32())
-            .sum::<f32>();
-    }
-}
-
-/// `ys[..16 V] += x W[:, j..j + 16 V]` with `V` accumulators; returns the columns done.
-///
-/// # Safety
-/// AVX-512F; `ys.len() >= 16 V`, `j + 16 V <= out` and `x.len() * out <= w.len()`.
-#[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx512f")]
-unsafe fn column_block<T: Load16, const V: usize>(
-    w: &[T],
-    x: &[f32],
-    out: usize,
-    j: usize,
-    ys: &mut [f32],
-) -> usize {
-    let (pw, py) = (w.as_ptr(), ys.as_mut_ptr());
-    let mut acc = [_mm512_setzero_ps(); V];
-    for (v, a) in acc.iter_mut().enumerate() {
-        *a = _mm512_loadu_ps(py.add(16 * v));
-    }
-    for (k, &xk) in x.iter().enumerate() {
-        let xv = _mm512_set1_ps(xk);
-        let row = pw.add(k * out + j);
-        for (v, a) in acc.iter_mut().enumerate() {
-            *a = _mm512_fmadd_ps(T::load16(row.add(16 * v)), xv, *a);
-        }
-    }
-    for (v, a) in acc.iter().enumerate() {
-        _mm512_storeu_ps(py.add(16 * v), *a);
-    }
-    16 * V
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -347,46 +263,6 @@ mod tests {
             assert!(dot_rows(&wh, &x, &mut ys));
             check(&ys, "f16");
         }
-    }
-
-    /// Column blocks of every width (16 vectors down to a scalar tail), added to what `ys`
-    /// held, at an offset into the matrix.
-    #[test]
-    fn add_columns_equal_f64_sums() {
-        if !available() {
-            return;
-        }
-        let (inp, out) = (37, 700);
-        let w: Vec<f32> = (0..inp * out).map(|i| f(i, 13)).collect();
-        let x: Vec<f32> = (0..inp).map(|i| f(i, 7)).collect();
-        for (j0, n) in [(0, 700), (3, 256), (100, 255), (690, 10), (16, 16)] {
-            let want: Vec<f64> = (0..n)
-                .map(|c| {
-                    1.0 + (0..inp)
-                        .map(|k| f64::from(w[k * out + j0 + c]) * f64::from(x[k]))
-                        .sum::<f64>()
-                })
-                .collect();
-            let check = |got: &[f32], what: &str| {
-                for (g, w) in got.iter().zip(&want) {
-                    assert!((f64::from(*g) - w).abs() < 1e-4, "{what} {j0}+{n}");
-                }
-            };
-            let mut ys = vec![1f32; n];
-            assert!(add_columns(&w, &x, out, j0, &mut ys));
-            check(&ys, "f32");
-            let wb: Vec<bf16> = w.iter().map(|&v| bf16::from_f32(v)).collect();
-            ys.fill(1.0);
-            assert!(add_columns(&wb, &x, out, j0, &mut ys));
-            check(&ys, "bf16");
-            let wh: Vec<f16> = w.iter().map(|&v| f16::from_f32(v)).collect();
-            ys.fill(1.0);
-            assert!(add_columns(&wh, &x, out, j0, &mut ys));
-            check(&ys, "f16");
-        }
-        // A block past the matrix is refused, not read.
-        let mut ys = vec![0f32; 20];
-        assert!(!add_columns(&w, &x, out, 690, &mut ys));
     }
 
     /// Rows in groups of four and alone, widths with and without a tail, added to `acc`.

@@ -7,8 +7,7 @@
 use candle_core::{CpuStorage, DType, Device, Storage, Tensor};
 use rayon::prelude::*;
 
-use super::gemv::{add_columns, dot_rows, Widen};
-use super::gemv_avx512;
+use super::gemv::{add_rows, dot_rows, Widen};
 use super::scratch::with_scratch;
 use super::simd::{exp2_shifted_sum, row_max};
 use crate::error::{Error, Result};
@@ -124,9 +123,7 @@ fn run<T: Widen>(
                 let m = row_max(s);
                 let sum = exp2_shifted_sum(s, m);
                 out.fill(0.0);
-                if !gemv_avx512::add_rows(vh, s, out) {
-                    add_columns(vh, s, dv, 0, out);
-                }
+                add_rows(vh, s, out);
                 let inv = 1.0 / sum;
                 for o in out.iter_mut() {
                     *o *= inv;
