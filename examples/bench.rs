@@ -178,35 +178,29 @@ fn main() -> anyhow::Result<()> {
             .build_global()
             .context("building rayon's global pool around the calling thread")?;
     }
-    if args.fma_peak {
+    // The machine's limits: one figure each, as JSON or a line.
+    let limit = if args.fma_peak {
         let (gflops, isa) = fma_peak()?;
-        if args.json {
-            println!(
-                "{}",
-                serde_json::json!({"fma_peak_gflops": round3(gflops), "isa": isa,
-                    "threads": rayon::current_num_threads()})
-            );
-        } else {
-            println!(
-                "FMA peak: {gflops:.1} GFLOP/s ({isa}, {} threads)",
-                rayon::current_num_threads()
-            );
-        }
-        return Ok(());
-    }
-    if args.bandwidth {
+        Some((
+            serde_json::json!({"fma_peak_gflops": round3(gflops), "isa": isa}),
+            format!("FMA peak: {gflops:.1} GFLOP/s, {isa}"),
+        ))
+    } else if args.bandwidth {
         let gbs = read_bandwidth();
+        Some((
+            serde_json::json!({"read_bandwidth_gb_s": round3(gbs)}),
+            format!("read bandwidth: {gbs:.1} GB/s"),
+        ))
+    } else {
+        None
+    };
+    if let Some((mut json, line)) = limit {
+        let threads = rayon::current_num_threads();
         if args.json {
-            println!(
-                "{}",
-                serde_json::json!({"read_bandwidth_gb_s": round3(gbs),
-                    "threads": rayon::current_num_threads()})
-            );
+            json["threads"] = threads.into();
+            println!("{json}");
         } else {
-            println!(
-                "read bandwidth: {gbs:.1} GB/s ({} threads)",
-                rayon::current_num_threads()
-            );
+            println!("{line} ({threads} threads)");
         }
         return Ok(());
     }
