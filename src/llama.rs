@@ -319,7 +319,10 @@ impl LlamaModel {
             vb.dtype()
         };
         let rms = |vb: VarBuilder| -> Result<RmsNorm> {
-            let w = vb.get(d, "weight")?.to_dtype(compute)?;
+            // Ones for a fresh variable, as `candle_nn::rms_norm` makes it.
+            let w = vb
+                .get_with_hints(d, "weight", candle_nn::Init::Const(1.0))?
+                .to_dtype(compute)?;
             Ok(RmsNorm::new(w, cfg.rms_norm_eps))
         };
         let m = vb.pp("model");
