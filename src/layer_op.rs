@@ -1,45 +1,123 @@
-//! A differentiable self-attention layer on the CPU as one candle op: `(x, weights,
-//! biases) -> output`, forward and backward on the kernels of `kernels::trainable_layer`
-//! (see [`crate::dispatch`] for when it runs). Candle's autograd then sees one node where
-//! the composition of candle ops has a dozen, each allocating its output and its gradient.
+//! A differentiable self-attention layer on the CPU as candle ops: `(x, W_qkv, W_O, biases)
+//! -> output`, forward and backward on the kernels of `kernels::trainable_layer` (see
+//! [`crate::dispatch`] for when it runs). Candle's autograd then sees one node where the
+//! composition of candle ops has a dozen, each allocating its output and its gradient.
+//!
+//! Candle's custom ops take at most three inputs, and every node between a variable and the
+//! op costs a zeros tensor and an add of the variable's size per backward. So with `W_O` the
+//! layer is two nodes that take every parameter as stored: a `bundle` of
+//! `(biases, W_O)` whose output is one placeholder element, and the layer op on
+//! `(x, W_qkv, bundle)`, which reads the bundle's inputs itself. The layer's backward (which
+//! candle runs first) computes every gradient and hands the bundle its two.
 
-use std::sync::Mutex;
+use std::sync::{Arc, Mutex};
 
-use candle_core::{CpuStorage, CustomOp3, DType, Layout, Shape, Tensor};
+use candle_core::{CpuStorage, CustomOp2, CustomOp3, DType, Layout, Shape, Tensor};
 
 use crate::error::{Error, Result};
 use crate::kernels::cpu_tensor::{storage_f32, CpuF32};
-use crate::kernels::trainable_layer::{self, LayerShape, Saved};
+use crate::kernels::trainable_layer::{self, LayerShape, Params, Saved};
 use crate::mask::AttentionMask;
+
+/// Gradients of the bundle's inputs `(biases, W_O)`, from the layer's backward to the
+/// bundle's.
+type Handoff = Arc<Mutex<Option<(Vec<f32>, Vec<f32>)>>>;
+
+/// `W_O` and the biases with the handoff of their gradients (the layer op's third input is
+/// then the bundle's placeholder).
+struct Bundled {
+    w_o: Tensor,
+    biases: Tensor,
+    grads: Handoff,
+}
 
 struct LayerOp {
     shape: LayerShape,
     mask: Option<AttentionMask>,
     /// The projection and context of the forward, for the backward.
     saved: Mutex<Option<Saved>>,
+    /// `None`: no output projection, the op's third input is the biases.
+    bundled: Option<Bundled>,
+}
+
+/// The placeholder node whose inputs are `(biases, W_O)`.
+struct BundleOp {
+    grads: Handoff,
 }
 
 /// The layer's output `(batch, seq, out)` of `x` `(batch, seq, hidden)`, with gradients to
-/// `x`, `w_qkv` and `rest`.
+/// every input that tracks them.
 ///
 /// # Shapes
 /// - `w_qkv`: `(q + k + v, hidden)`, or `(hidden, q + k + v)` with `shape.qkv_t`
-/// - `rest`: `(q + k + v + out * heads * v_head_dim + out,)`: the Q/K/V biases, `W_O`, the
-///   output biases (see [`LayerShape`])
+/// - `w_o`: `(out, heads * v_head_dim)`, or `(heads * v_head_dim, out)` with `shape.o_t`;
+///   `None` without an output projection
+/// - `biases`: `(q + k + v + out,)`: the Q/K/V biases then the output biases (see
+///   [`LayerShape`])
 pub(crate) fn self_attention(
     x: &Tensor,
     w_qkv: &Tensor,
-    rest: &Tensor,
+    w_o: Option<&Tensor>,
+    biases: &Tensor,
     shape: LayerShape,
     mask: Option<&AttentionMask>,
 ) -> Result<Tensor> {
-    let op = LayerOp {
+    let (x, w_qkv, biases) = (x.contiguous()?, w_qkv.contiguous()?, biases.contiguous()?);
+    let mut op = LayerOp {
         shape,
         mask: mask.filter(|m| !m.is_empty()).cloned(),
         saved: Mutex::new(None),
+        bundled: None,
     };
-    Ok(x.contiguous()?
-        .apply_op3(&w_qkv.contiguous()?, &rest.contiguous()?, op)?)
+    let third = match w_o {
+        None => biases,
+        Some(w_o) => {
+            let w_o = w_o.contiguous()?;
+            let grads: Handoff = Arc::new(Mutex::new(None));
+            let token = biases.apply_op2(
+                &w_o,
+                BundleOp {
+                    grads: grads.clone(),
+                },
+            )?;
+            op.bundled = Some(Bundled { w_o, biases, grads });
+            token
+        }
+    };
+    Ok(x.apply_op3(&w_qkv, &third, op)?)
+}
+
+/// A tensor's f32 data, contiguous, on the CPU.
+fn dense(t: &Tensor) -> Result<Tensor> {
+    Ok(t.to_dtype(DType::F32)?.contiguous()?)
+}
+
+impl LayerOp {
+    /// Runs `f` on the parameters as flat slices: `W_qkv`, and `W_O` and the biases from the
+    /// bundle, or the biases from `third`.
+    fn with_params<T>(
+        &self,
+        w_qkv: &[f32],
+        third: &[f32],
+        f: impl FnOnce(Params) -> Result<T>,
+    ) -> Result<T> {
+        match &self.bundled {
+            None => f(Params {
+                w_qkv,
+                w_o: &[],
+                biases: third,
+            }),
+            Some(b) => {
+                let (wo, bs) = (dense(&b.w_o)?, dense(&b.biases)?);
+                let (wo, bs) = (CpuF32::new(&wo, "W_O")?, CpuF32::new(&bs, "biases")?);
+                f(Params {
+                    w_qkv,
+                    w_o: wo.contiguous()?,
+                    biases: bs.contiguous()?,
+                })
+            }
+        }
+    }
 }
 
 impl CustomOp3 for LayerOp {
@@ -58,12 +136,14 @@ impl CustomOp3 for LayerOp {
     ) -> candle_core::Result<(CpuStorage, Shape)> {
         let run = || -> Result<(CpuStorage, Shape)> {
             let s = &self.shape;
-            let (x, w, b) = (
+            let (x, w, third) = (
                 storage_f32(s1, l1, "x")?,
                 storage_f32(s2, l2, "W_qkv")?,
-                storage_f32(s3, l3, "biases and W_O")?,
+                storage_f32(s3, l3, "biases")?,
             );
-            let (y, saved) = trainable_layer::forward(s, x, w, b, self.mask.as_ref())?;
+            let (y, saved) = self.with_params(w, third, |p| {
+                trainable_layer::forward(s, x, p, self.mask.as_ref())
+            })?;
             if let Ok(mut slot) = self.saved.lock() {
                 *slot = Some(saved);
             }
@@ -79,45 +159,106 @@ impl CustomOp3 for LayerOp {
         &self,
         x: &Tensor,
         w: &Tensor,
-        b: &Tensor,
+        third: &Tensor,
         _res: &Tensor,
         grad_res: &Tensor,
     ) -> candle_core::Result<(Option<Tensor>, Option<Tensor>, Option<Tensor>)> {
         let run = || -> Result<(Option<Tensor>, Option<Tensor>, Option<Tensor>)> {
             let s = &self.shape;
-            let dense =
-                |t: &Tensor| -> Result<Tensor> { Ok(t.to_dtype(DType::F32)?.contiguous()?) };
-            let (xt, wt, bt, gt) = (dense(x)?, dense(w)?, dense(b)?, dense(grad_res)?);
-            let (xc, wc, bc, gc) = (
+            let (xt, wt, tt, gt) = (dense(x)?, dense(w)?, dense(third)?, dense(grad_res)?);
+            let (xc, wc, tc, gc) = (
                 CpuF32::new(&xt, "x")?,
                 CpuF32::new(&wt, "W_qkv")?,
-                CpuF32::new(&bt, "biases and W_O")?,
+                CpuF32::new(&tt, "biases")?,
                 CpuF32::new(&gt, "output gradient")?,
             );
-            let (xs, ws, bs, gs) = (
+            let (xs, ws, ts, gs) = (
                 xc.contiguous()?,
                 wc.contiguous()?,
-                bc.contiguous()?,
+                tc.contiguous()?,
                 gc.contiguous()?,
             );
             let mut slot = self
                 .saved
                 .lock()
                 .map_err(|_| Error::Kernel("the layer's saved forward is poisoned".into()))?;
+            let mask = self.mask.as_ref();
             if slot.is_none() {
                 // Not kept (a forward that failed half-way cannot reach here): run it again.
-                *slot = Some(trainable_layer::forward(s, xs, ws, bs, self.mask.as_ref())?.1);
+                let saved =
+                    self.with_params(ws, ts, |p| trainable_layer::forward(s, xs, p, mask))?;
+                *slot = Some(saved.1);
             }
             let saved = slot
                 .as_ref()
                 .ok_or_else(|| Error::Kernel("the layer's forward was not saved".into()))?;
-            let (dx, dw, db) =
-                trainable_layer::backward(s, xs, ws, bs, saved, gs, self.mask.as_ref())?;
-            Ok((
-                Some(Tensor::from_vec(dx, x.shape(), x.device())?),
-                Some(Tensor::from_vec(dw, w.shape(), w.device())?),
-                Some(Tensor::from_vec(db, b.shape(), b.device())?),
-            ))
+            let g = self.with_params(ws, ts, |p| {
+                trainable_layer::backward(s, xs, p, saved, gs, mask)
+            })?;
+            // Only inputs that track gradients get one (candle sums each into a fresh tensor).
+            let grad = |t: &Tensor, v: Vec<f32>| -> Result<Option<Tensor>> {
+                Ok(if t.track_op() {
+                    Some(Tensor::from_vec(v, t.shape(), t.device())?)
+                } else {
+                    None
+                })
+            };
+            let third_grad = match &self.bundled {
+                None => grad(third, g.biases)?,
+                Some(b) => {
+                    let mut handoff = b.grads.lock().map_err(|_| {
+                        Error::Kernel("the layer's gradient handoff is poisoned".into())
+                    })?;
+                    *handoff = Some((g.biases, g.w_o));
+                    // The placeholder's gradient: it only routes the backward to the bundle.
+                    grad(third, vec![0.0; third.elem_count()])?
+                }
+            };
+            Ok((grad(x, g.x)?, grad(w, g.w_qkv)?, third_grad))
+        };
+        run().map_err(Error::into_candle)
+    }
+}
+
+impl CustomOp2 for BundleOp {
+    fn name(&self) -> &'static str {
+        "candle-attention-layer-parameters"
+    }
+
+    fn cpu_fwd(
+        &self,
+        _s1: &CpuStorage,
+        _l1: &Layout,
+        _s2: &CpuStorage,
+        _l2: &Layout,
+    ) -> candle_core::Result<(CpuStorage, Shape)> {
+        Ok((CpuStorage::F32(vec![0.0]), Shape::from(1)))
+    }
+
+    fn bwd(
+        &self,
+        biases: &Tensor,
+        w_o: &Tensor,
+        _res: &Tensor,
+        _grad_res: &Tensor,
+    ) -> candle_core::Result<(Option<Tensor>, Option<Tensor>)> {
+        let run = || -> Result<(Option<Tensor>, Option<Tensor>)> {
+            let (db, dw) = self
+                .grads
+                .lock()
+                .map_err(|_| Error::Kernel("the layer's gradient handoff is poisoned".into()))?
+                .take()
+                .ok_or_else(|| {
+                    Error::Kernel("the layer's backward did not hand over W_O's gradient".into())
+                })?;
+            let grad = |t: &Tensor, v: Vec<f32>| -> Result<Option<Tensor>> {
+                Ok(if t.track_op() {
+                    Some(Tensor::from_vec(v, t.shape(), t.device())?)
+                } else {
+                    None
+                })
+            };
+            Ok((grad(biases, db)?, grad(w_o, dw)?))
         };
         run().map_err(Error::into_candle)
     }

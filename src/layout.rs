@@ -172,6 +172,7 @@ impl WeightLayout {
                         weight: w.clone(),
                         transposed: false,
                         bias: bias.clone(),
+                        out_in_out: None,
                     });
                     let [wq, wk, wv] = split_rows(&w, [d, d, d])?;
                     let [bq, bk, bv] = split_bias(bias, [d, d, d])?;
@@ -216,6 +217,7 @@ impl WeightLayout {
                     weight: w.clone(),
                     transposed: true,
                     bias: bias_c.clone(),
+                    out_in_out: None,
                 });
                 // A view (no copy): the projections stay tied to the stored tensor, which
                 // an optimizer may update in place.
@@ -229,6 +231,9 @@ impl WeightLayout {
                     "weight",
                     s.map(|z| Sized::in_out(z.hidden, z.hidden)),
                 )?; // Conv1D: (in, out)
+                if let Some(p) = packed.as_mut() {
+                    p.out_in_out = Some(wo.clone());
+                }
                 let wo = wo.t()?; // (out, in), a view
                 let bo = opt_bias(
                     &c_proj,
@@ -337,6 +342,8 @@ pub(crate) struct PackedQkv {
     pub transposed: bool,
     /// `(q + k + v,)`
     pub bias: Option<Tensor>,
+    /// GPT-2's `c_proj.weight` `(in, out)`, as stored.
+    pub out_in_out: Option<Tensor>,
 }
 
 impl Projections {

@@ -43,6 +43,8 @@ enum QkvProjection {
 struct OutProjection {
     /// `(heads * v_head_dim, out)`: `W_O^T`.
     weight_t: StoredWeight,
+    /// The caller's `(out, in)` tensor, kept for a trainable layer.
+    weight: Option<Tensor>,
     /// `(out,)`
     bias: Option<Tensor>,
 }
@@ -234,6 +236,7 @@ impl MultiHeadSelfAttention {
                 } else {
                     StoredWeight::new(&o.weight, &[])? // (heads*v_head_dim, out)
                 },
+                weight: trainable.then(|| o.weight.clone()),
                 bias: o.bias,
             }),
             None => None,
@@ -549,7 +552,7 @@ impl MultiHeadSelfAttention {
         let scale = self.scale.unwrap_or(1.0 / (hd as f64).sqrt());
         if route == Route::CpuKernelsTrainable && kv.is_none() {
             // The whole layer as one differentiable op on the CPU kernels.
-            let (w_qkv, qkv_t, rest, o_t) = self.layer_parameters()?;
+            let (w_qkv, qkv_t, w_o, biases) = self.layer_parameters()?;
             let shape = LayerShape {
                 batch: b,
                 seq: t,
@@ -564,9 +567,10 @@ impl MultiHeadSelfAttention {
                 },
                 scale,
                 qkv_t,
-                o_t,
+                o_t: w_o.as_ref().is_some_and(|(_, t)| *t),
             };
-            let context = layer_op::self_attention(x, &w_qkv, &rest, shape, mask)?;
+            let w_o = w_o.as_ref().map(|(w, _)| w);
+            let context = layer_op::self_attention(x, &w_qkv, w_o, &biases, shape, mask)?;
             return Ok(AttentionOutput {
                 context,
                 weights: None,
@@ -787,10 +791,12 @@ impl MultiHeadSelfAttention {
 
     /// The parameters as the differentiable CPU layer takes them (see
     /// `kernels::trainable_layer::LayerShape`): `W_qkv` as stored where it can be (and
-    /// whether that is `(hidden, q + k + v)`), then the Q/K/V biases, `W_O` (and whether it
-    /// is stored `(in, out)`) and the output biases in one vector, zeros for missing biases.
-    /// Read from the current tensors, so that gradients flow back to them.
-    fn layer_parameters(&self) -> Result<(Tensor, bool, Tensor, bool)> {
+    /// whether that is `(hidden, q + k + v)`), `W_O` as stored (and whether that is
+    /// `(in, out)`), and the Q/K/V and output biases in one vector, zeros for missing biases.
+    /// Read from the current tensors, with no node between a stored variable and the layer,
+    /// so that gradients flow back to them at no extra cost.
+    #[allow(clippy::type_complexity)]
+    fn layer_parameters(&self) -> Result<(Tensor, bool, Option<(Tensor, bool)>, Tensor)> {
         let (w_qkv, qkv_t, b_qkv) = match (&self.qkv, &self.packed_qkv) {
             (_, Some(p)) => (p.weight.clone(), p.transposed, p.bias.clone()),
             (QkvProjection::Fused { weight_t, bias }, None) => {
@@ -809,21 +815,27 @@ impl MultiHeadSelfAttention {
             Some(b) => b,
             None => Tensor::zeros(c, dtype, &dev)?,
         };
-        let mut rest = vec![b_qkv];
-        let mut o_t = false;
+        let mut biases = vec![b_qkv];
+        let mut w_o = None;
         if let Some(o) = &self.out_proj {
             let w_t = o.weight_t.tensor()?; // (h*vhd, out)
             let out = w_t.dim(1)?;
-            // As stored: (in, out) when that is the contiguous side (GPT-2, a frozen layer).
-            o_t = w_t.is_contiguous();
-            let w_o = if o_t { w_t } else { w_t.t()? }; // (h*vhd, out) or (out, h*vhd)
-            rest.push(w_o.flatten_all()?);
-            rest.push(match &o.bias {
+            let stored = self.packed_qkv.as_ref().and_then(|p| p.out_in_out.as_ref());
+            w_o = Some(match (&o.weight, stored) {
+                // GPT-2's `(in, out)` variable.
+                (_, Some(w)) => (w.clone(), true),
+                // The caller's `(out, in)` tensor (PyTorch, BERT, LLaMA).
+                (Some(w), None) if w.is_contiguous() => (w.clone(), false),
+                // `(in, out)` when that is the contiguous side (GPT-2, a frozen layer).
+                _ if w_t.is_contiguous() => (w_t, true),
+                _ => (w_t.t()?.contiguous()?, false),
+            });
+            biases.push(match &o.bias {
                 Some(b) => b.clone(),
                 None => Tensor::zeros(out, dtype, &dev)?,
             });
         }
-        Ok((w_qkv.contiguous()?, qkv_t, Tensor::cat(&rest, 0)?, o_t))
+        Ok((w_qkv.contiguous()?, qkv_t, w_o, Tensor::cat(&biases, 0)?))
     }
 
     /// `(W_q^T, b_q, W_kv^T, b_kv)` for cross-attention (weights as `(in, out)`).

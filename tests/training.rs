@@ -615,3 +615,83 @@ fn weights_asked_for_and_streamed_keep_the_context_differentiable() -> anyhow::R
     }
     Ok(())
 }
+
+#[test]
+fn repeated_backward_and_frozen_parameters_give_exact_gradients() -> anyhow::Result<()> {
+    // The layer's backward hands W_O's and the biases' gradients to a second node: a second
+    // backward of the same graph must find them again, and a frozen W_O (a plain tensor)
+    // must leave the other gradients unchanged.
+    use candle_attention::{LinearWeights, Projections};
+    let (d, heads, b, t) = (24, 3, 2, 40);
+    let cfg = AttentionConfig::new(WeightLayout::TorchMha, heads);
+    let lin = |seed: u64, var: bool| -> anyhow::Result<LinearWeights> {
+        let w = tensor(&[d, d], seed, 0.3)?;
+        let bias = tensor(&[d], seed + 100, 0.1)?;
+        let (w, bias) = if var {
+            (
+                Var::from_tensor(&w)?.as_tensor().clone(),
+                Var::from_tensor(&bias)?.as_tensor().clone(),
+            )
+        } else {
+            (w, bias)
+        };
+        Ok(LinearWeights::new(w, Some(bias), format!("w{seed}")))
+    };
+    let x = Var::from_tensor(&tensor(&[b, t, d], 3, 1.0)?)?;
+    let g = tensor(&[b, t, d], 4, 1.0)?;
+    for frozen_o in [false, true] {
+        let p = Projections {
+            q: lin(1, true)?,
+            k: lin(2, true)?,
+            v: lin(3, true)?,
+            o: Some(lin(4, !frozen_o)?),
+        };
+        let mut tracked: Vec<(String, Tensor)> = vec![("x".into(), x.as_tensor().clone())];
+        for (n, l) in [("q", &p.q), ("k", &p.k), ("v", &p.v)] {
+            tracked.push((format!("{n}.weight"), l.weight.clone()));
+            tracked.push((format!("{n}.bias"), l.bias.clone().expect("bias")));
+        }
+        if let (false, Some(o)) = (frozen_o, &p.o) {
+            tracked.push(("o.weight".into(), o.weight.clone()));
+            tracked.push(("o.bias".into(), o.bias.clone().expect("bias")));
+        }
+        let mut runs = Vec::new();
+        for path in [AttentionPath::Auto, AttentionPath::Explicit] {
+            let attn = MultiHeadSelfAttention::new(p.clone(), &cfg)?.with_path(path);
+            let ctx = attn.forward(x.as_tensor(), None)?.context;
+            let loss = (&ctx * &g)?.sum_all()?;
+            let first = loss.backward()?;
+            let second = loss.backward()?;
+            let mut grads = Vec::new();
+            for (name, t) in &tracked {
+                let a = first
+                    .get(t)
+                    .unwrap_or_else(|| panic!("{path:?}: no grad {name}"));
+                let again = second.get(t).expect("second backward");
+                assert_eq!(
+                    max_abs_diff(a, again)?,
+                    0.0,
+                    "{path:?} {name}: second backward"
+                );
+                grads.push(a.clone());
+            }
+            if frozen_o {
+                let o = p.o.as_ref().expect("o");
+                assert!(
+                    first.get(&o.weight).is_none(),
+                    "{path:?}: frozen W_O got a grad"
+                );
+            }
+            runs.push(grads);
+        }
+        for ((name, _), (fast, explicit)) in tracked.iter().zip(runs[0].iter().zip(&runs[1])) {
+            let scale = explicit.abs()?.max_all()?.to_scalar::<f32>()?.max(1.0);
+            let diff = max_abs_diff(fast, explicit)?;
+            assert!(
+                diff <= 1e-5 * scale,
+                "frozen W_O {frozen_o}: {name} fast vs explicit {diff:e}"
+            );
+        }
+    }
+    Ok(())
+}

@@ -12,11 +12,11 @@ use super::sdpa::{packed_attention_backward, packed_attention_into, PackedGrad, 
 use crate::error::{Error, Result};
 use crate::mask::AttentionMask;
 
-/// Sizes of the layer. Its parameters arrive as two flat vectors: `W_qkv`, `(qkv_cols,
-/// hidden)` row-major (`(out, in)`) or, with `qkv_t`, `(hidden, qkv_cols)` (GPT-2's
-/// `Conv1D`); and the rest: the `qkv_cols` Q/K/V biases, `W_O` (`(out, heads * v_head_dim)`
-/// row-major, or its transpose with `o_t`) and the `out` output biases (zeros where the
-/// checkpoint has no bias).
+/// Sizes of the layer. Its parameters arrive as three flat vectors (see [`Params`]): `W_qkv`,
+/// `(qkv_cols, hidden)` row-major (`(out, in)`) or, with `qkv_t`, `(hidden, qkv_cols)`
+/// (GPT-2's `Conv1D`); `W_O`, `(out, heads * v_head_dim)` row-major or its transpose with
+/// `o_t`; the biases: the `qkv_cols` Q/K/V biases then the `out` output biases (zeros where
+/// the checkpoint has no bias).
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub(crate) struct LayerShape {
     pub batch: usize,
@@ -52,9 +52,13 @@ impl LayerShape {
     pub fn qkv_weight_len(&self) -> usize {
         self.qkv_cols() * self.hidden
     }
-    /// Elements of the rest: Q/K/V biases, `W_O`, output biases.
-    pub fn rest_len(&self) -> usize {
-        self.qkv_cols() + self.out.map_or(0, |o| o * self.ctx_cols() + o)
+    /// Elements of `W_O` (0 without an output projection).
+    pub fn w_o_len(&self) -> usize {
+        self.out.map_or(0, |o| o * self.ctx_cols())
+    }
+    /// Elements of the biases: Q/K/V, then output.
+    pub fn bias_len(&self) -> usize {
+        self.qkv_cols() + self.out.unwrap_or(0)
     }
     /// `W_qkv` as a `(qkv_cols, hidden)` view.
     fn w_qkv<'a>(&self, w: &'a [f32]) -> Result<MatRef<'a>> {
@@ -65,10 +69,9 @@ impl LayerShape {
             MatRef::row_major(w, c, d)?
         })
     }
-    /// `W_O` as an `(out, heads * v_head_dim)` view of `rest`.
-    fn w_o<'a>(&self, rest: &'a [f32], out: usize) -> Result<MatRef<'a>> {
-        let (c, hv) = (self.qkv_cols(), self.ctx_cols());
-        let w = &rest[c..c + out * hv];
+    /// `W_O` as an `(out, heads * v_head_dim)` view.
+    fn w_o<'a>(&self, w: &'a [f32], out: usize) -> Result<MatRef<'a>> {
+        let hv = self.ctx_cols();
         Ok(if self.o_t {
             MatRef::row_major(w, hv, out)?.t()
         } else {
@@ -100,23 +103,47 @@ impl LayerShape {
             ),
         )
     }
-    fn check(&self, x: &[f32], w: &[f32], rest: &[f32]) -> Result<()> {
+    fn check(&self, x: &[f32], p: &Params) -> Result<()> {
         if x.len() != self.rows() * self.hidden
-            || w.len() != self.qkv_weight_len()
-            || rest.len() != self.rest_len()
+            || p.w_qkv.len() != self.qkv_weight_len()
+            || p.w_o.len() != self.w_o_len()
+            || p.biases.len() != self.bias_len()
         {
             return Err(Error::Kernel(format!(
-                "layer of {self:?}: x {} (want {}), W_qkv {} (want {}), rest {} (want {})",
+                "layer of {self:?}: x {} (want {}), W_qkv {} (want {}), W_O {} (want {}), \
+                 biases {} (want {})",
                 x.len(),
                 self.rows() * self.hidden,
-                w.len(),
+                p.w_qkv.len(),
                 self.qkv_weight_len(),
-                rest.len(),
-                self.rest_len()
+                p.w_o.len(),
+                self.w_o_len(),
+                p.biases.len(),
+                self.bias_len()
             )));
         }
         Ok(())
     }
+}
+
+/// The layer's parameters, flat (layouts in [`LayerShape`]).
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct Params<'a> {
+    pub w_qkv: &'a [f32],
+    /// Empty without an output projection.
+    pub w_o: &'a [f32],
+    /// Q/K/V biases, then output biases.
+    pub biases: &'a [f32],
+}
+
+/// The gradients of the layer, flat, in the layouts of its inputs.
+#[derive(Debug)]
+pub(crate) struct Grads {
+    pub x: Vec<f32>,
+    pub w_qkv: Vec<f32>,
+    /// Empty without an output projection.
+    pub w_o: Vec<f32>,
+    pub biases: Vec<f32>,
 }
 
 /// What the forward keeps for the backward: the projection rows `(batch * seq, q | k | v)`,
@@ -138,26 +165,25 @@ fn threads() -> Threads {
 pub(crate) fn forward(
     s: &LayerShape,
     x: &[f32],
-    w: &[f32],
-    rest: &[f32],
+    p: Params,
     mask: Option<&AttentionMask>,
 ) -> Result<(Vec<f32>, Saved)> {
-    s.check(x, w, rest)?;
+    s.check(x, &p)?;
     let (n, c) = (s.rows(), s.qkv_cols());
     let xm = MatRef::row_major(x, n, s.hidden)?;
-    let w_qkv = s.w_qkv(w)?; // (q+k+v, hidden)
+    let w_qkv = s.w_qkv(p.w_qkv)?; // (q+k+v, hidden)
     let mut qkv = TrainingBuffer::new(n * c);
-    linear_into(&mut qkv, xm, w_qkv.t(), Some(&rest[..c]))?; // (n, q+k+v)
+    linear_into(&mut qkv, xm, w_qkv.t(), Some(&p.biases[..c]))?; // (n, q+k+v)
     let mut ctx = TrainingBuffer::new(n * s.ctx_cols());
     let mut lse = TrainingBuffer::new(n * s.heads);
     let heads = s.heads_of(&qkv);
     packed_attention_into(s.batch, heads, mask, s.scale, &mut ctx, Some(&mut lse))?; // (n, h*vhd)
     let out = match s.out {
         Some(o) => {
-            let w_o = s.w_o(rest, o)?; // (out, h*vhd)
+            let w_o = s.w_o(p.w_o, o)?; // (out, h*vhd)
             let mut y = vec![0f32; n * o];
             let cm = MatRef::row_major(&ctx, n, s.ctx_cols())?;
-            let b_o = &rest[c + o * s.ctx_cols()..];
+            let b_o = &p.biases[c..];
             linear_into(&mut y, cm, w_o.t(), Some(b_o))?; // (n, out)
             y
         }
@@ -166,18 +192,16 @@ pub(crate) fn forward(
     Ok((out, Saved { qkv, ctx, lse }))
 }
 
-/// Gradients `(dx, dw, d_rest)` of the layer (flat, in the layouts of `x`, `W_qkv` and the
-/// rest) given the gradient `d_out` `(batch * seq, out)` of its output.
+/// The gradients of the layer given the gradient `d_out` `(batch * seq, out)` of its output.
 pub(crate) fn backward(
     s: &LayerShape,
     x: &[f32],
-    w: &[f32],
-    rest: &[f32],
+    p: Params,
     saved: &Saved,
     d_out: &[f32],
     mask: Option<&AttentionMask>,
-) -> Result<(Vec<f32>, Vec<f32>, Vec<f32>)> {
-    s.check(x, w, rest)?;
+) -> Result<Grads> {
+    s.check(x, &p)?;
     let (n, c, hv) = (s.rows(), s.qkv_cols(), s.ctx_cols());
     if d_out.len() != n * s.out_cols() {
         return Err(Error::Kernel(format!(
@@ -187,24 +211,24 @@ pub(crate) fn backward(
         )));
     }
     let mut dw_qkv = vec![0f32; s.qkv_weight_len()];
-    let mut d_rest = vec![0f32; s.rest_len()];
-    let (db_qkv, d_rest_o) = d_rest.split_at_mut(c);
+    let mut dw_o = vec![0f32; s.w_o_len()];
+    let mut d_biases = vec![0f32; s.bias_len()];
+    let (db_qkv, db_o) = d_biases.split_at_mut(c);
     // Through W_O: dW_O = dY^T ctx, db_O = colsum(dY), d_ctx = dY W_O.
     let mut d_ctx_buf;
     let d_ctx: &[f32] = match s.out {
         Some(o) => {
             let dy = MatRef::row_major(d_out, n, o)?;
             let cm = MatRef::row_major(&saved.ctx, n, hv)?;
-            let (dw_o, db_o) = d_rest_o.split_at_mut(o * hv);
             if s.o_t {
-                let mut dst = MatMut::new(dw_o, 0, hv, o, o)?; // (h*vhd, out)
+                let mut dst = MatMut::new(&mut dw_o, 0, hv, o, o)?; // (h*vhd, out)
                 matmul(&mut dst, cm.t(), dy, false, 1.0, threads())?;
             } else {
-                let mut dst = MatMut::new(dw_o, 0, o, hv, hv)?; // (out, h*vhd)
+                let mut dst = MatMut::new(&mut dw_o, 0, o, hv, hv)?; // (out, h*vhd)
                 matmul(&mut dst, dy.t(), cm, false, 1.0, threads())?;
             }
             column_sums(d_out, o, db_o);
-            let w_o = s.w_o(rest, o)?;
+            let w_o = s.w_o(p.w_o, o)?;
             d_ctx_buf = TrainingBuffer::new(n * hv);
             matmul(
                 &mut MatMut::new(&mut d_ctx_buf, 0, n, hv, hv)?,
@@ -244,7 +268,7 @@ pub(crate) fn backward(
     }
     column_sums(&d_qkv, c, db_qkv);
     let mut dx = vec![0f32; n * s.hidden];
-    let w_qkv = s.w_qkv(w)?;
+    let w_qkv = s.w_qkv(p.w_qkv)?;
     matmul(
         &mut MatMut::new(&mut dx, 0, n, s.hidden, s.hidden)?,
         dq,
@@ -253,7 +277,12 @@ pub(crate) fn backward(
         1.0,
         threads(),
     )?; // (n, hidden)
-    Ok((dx, dw_qkv, d_rest))
+    Ok(Grads {
+        x: dx,
+        w_qkv: dw_qkv,
+        w_o: dw_o,
+        biases: d_biases,
+    })
 }
 
 /// `dst[j] = sum_i m[i * cols + j]` for a row-major matrix with `cols` columns.
