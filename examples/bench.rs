@@ -13,7 +13,8 @@
 //! layer on a `VarMap` in PyTorch's `nn.MultiheadAttention` layout, LLaMA's with `--kv-heads`,
 //! and `x`; or Q, K and V with `--core`), then the backward of
 //! `sum(context * g)` to every one of them (no optimizer update); ours only. Its `gflops`
-//! count a step as 3 forwards (the backward's products are twice the forward's).
+//! count a step as 3 forwards (the backward's products are twice the forward's). It calls
+//! `retain_freed_memory()` first, as a training program should (`--default-malloc` not).
 //!
 //! `--json` prints one JSON object `{"batch", "seq", "hidden", "heads", "median_ms",
 //! "gflops", "peak_rss_mb", ...}` for the chosen `--impl` (default ours), nothing else on
@@ -146,6 +147,10 @@ struct Args {
     /// Time a training step (forward + backward to the variables) instead of a forward.
     #[arg(long)]
     train: bool,
+    /// `--train` without `candle_attention::retain_freed_memory()` (glibc's default
+    /// trimming of freed memory, as a program that does not call it gets).
+    #[arg(long, requires = "train")]
+    default_malloc: bool,
     /// One JSON object on stdout.
     #[arg(long)]
     json: bool,
@@ -226,6 +231,8 @@ fn main() -> anyhow::Result<()> {
     if kvh == 0 || args.heads % kvh != 0 {
         bail!("--kv-heads {kvh} must divide --heads {}", args.heads);
     }
+    // A training program keeps freed memory for the next step (see the function's docs).
+    let retained = args.train && !args.default_malloc && candle_attention::retain_freed_memory();
     let threads = rayon::current_num_threads();
     if args.json {
         let setup = setup(&args, dtype, kvh, args.implementation)?;
@@ -250,6 +257,7 @@ fn main() -> anyhow::Result<()> {
             "pool": args.pool.name(),
             "device": args.device,
             "train": args.train,
+            "retain_freed_memory": retained,
             "iters": m.iters,
         });
         println!("{obj}");

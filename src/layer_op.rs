@@ -15,8 +15,9 @@ use std::sync::{Arc, Mutex};
 use candle_core::{CpuStorage, CustomOp2, CustomOp3, DType, Layout, Shape, Tensor};
 
 use crate::error::{Error, Result};
+use crate::grad_pool;
 use crate::kernels::cpu_tensor::{storage_f32, CpuF32};
-use crate::kernels::trainable_layer::{self, LayerShape, Params, Saved};
+use crate::kernels::trainable_layer::{self, GradsInto, LayerShape, Params, Saved};
 use crate::mask::AttentionMask;
 
 /// Gradients of the bundle's inputs `(biases, W_O)`, from the layer's backward to the
@@ -192,9 +193,21 @@ impl CustomOp3 for LayerOp {
             let saved = slot
                 .as_ref()
                 .ok_or_else(|| Error::Kernel("the layer's forward was not saved".into()))?;
-            let g = self.with_params(ws, ts, |p| {
-                trainable_layer::backward(s, xs, p, saved, gs, mask)
-            })?;
+            // `x`'s and `W_qkv`'s gradients go to tensors kept from step to step.
+            let mut other = None;
+            let (gx, gw) = grad_pool::two_gradients(
+                (x.elem_count(), w.elem_count()),
+                (x.shape(), w.shape()),
+                |dx, dw| {
+                    let into = GradsInto { x: dx, w_qkv: dw };
+                    other = Some(self.with_params(ws, ts, |p| {
+                        trainable_layer::backward(s, xs, p, saved, gs, mask, into)
+                    })?);
+                    Ok(())
+                },
+            )?;
+            let g =
+                other.ok_or_else(|| Error::Kernel("the layer's backward did not run".into()))?;
             // Only inputs that track gradients get one (candle sums each into a fresh tensor).
             let grad = |t: &Tensor, v: Vec<f32>| -> Result<Option<Tensor>> {
                 Ok(if t.track_op() {
@@ -214,7 +227,8 @@ impl CustomOp3 for LayerOp {
                     grad(third, vec![0.0; third.elem_count()])?
                 }
             };
-            Ok((grad(x, g.x)?, grad(w, g.w_qkv)?, third_grad))
+            let keep = |t: &Tensor, g: Tensor| t.track_op().then_some(g);
+            Ok((keep(x, gx), keep(w, gw), third_grad))
         };
         run().map_err(Error::into_candle)
     }

@@ -695,3 +695,41 @@ fn repeated_backward_and_frozen_parameters_give_exact_gradients() -> anyhow::Res
     }
     Ok(())
 }
+
+#[test]
+fn gradients_of_an_earlier_backward_stay_as_they_were() -> anyhow::Result<()> {
+    // With freed memory retained, the layer writes `x`'s and `W_qkv`'s gradients into
+    // tensors kept from step to step; what an earlier backward returned must not change
+    // (gradient accumulation keeps it across steps).
+    let retained = candle_attention::retain_freed_memory();
+    let cfg = AttentionConfig::new(WeightLayout::TorchMha, 4)
+        .with_hidden_size(32)
+        .with_bias(true);
+    let (attn, vm) = fresh_layer(&cfg, AttentionPath::Auto, 21)?;
+    let w = vm.data().lock().expect("varmap")["attn.in_proj_weight"].clone();
+    let x = Var::from_tensor(&tensor(&[2, 50, 32], 8, 1.0)?)?;
+    let step = |seed: u64| -> anyhow::Result<GradStore> {
+        let ctx = attn.forward(x.as_tensor(), None)?.context;
+        let g = tensor(ctx.dims(), seed, 1.0)?;
+        Ok((&ctx * &g)?.sum_all()?.backward()?)
+    };
+    let first = step(1)?;
+    let copy = |g: &GradStore, t: &Tensor| -> anyhow::Result<Vec<f32>> {
+        Ok(g.get(t).expect("grad").flatten_all()?.to_vec1::<f32>()?)
+    };
+    let (fx, fw) = (copy(&first, x.as_tensor())?, copy(&first, w.as_tensor())?);
+    let second = step(2)?;
+    let _third = step(3)?;
+    assert_eq!(copy(&first, x.as_tensor())?, fx, "retained {retained}: x");
+    assert_eq!(
+        copy(&first, w.as_tensor())?,
+        fw,
+        "retained {retained}: W_qkv"
+    );
+    assert_ne!(
+        copy(&second, x.as_tensor())?,
+        fx,
+        "a different loss, other gradients"
+    );
+    Ok(())
+}

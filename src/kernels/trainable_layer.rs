@@ -136,11 +136,17 @@ pub(crate) struct Params<'a> {
     pub biases: &'a [f32],
 }
 
-/// The gradients of the layer, flat, in the layouts of its inputs.
+/// Where the backward writes the gradients of `x` and `W_qkv` (flat, in their layouts;
+/// every element is overwritten).
 #[derive(Debug)]
-pub(crate) struct Grads {
-    pub x: Vec<f32>,
-    pub w_qkv: Vec<f32>,
+pub(crate) struct GradsInto<'a> {
+    pub x: &'a mut [f32],
+    pub w_qkv: &'a mut [f32],
+}
+
+/// The other gradients, flat, in the layouts of their inputs.
+#[derive(Debug)]
+pub(crate) struct OtherGrads {
     /// Empty without an output projection.
     pub w_o: Vec<f32>,
     pub biases: Vec<f32>,
@@ -192,7 +198,8 @@ pub(crate) fn forward(
     Ok((out, Saved { qkv, ctx, lse }))
 }
 
-/// The gradients of the layer given the gradient `d_out` `(batch * seq, out)` of its output.
+/// The gradients of the layer given the gradient `d_out` `(batch * seq, out)` of its output:
+/// those of `x` and `W_qkv` into `into`, the others returned.
 pub(crate) fn backward(
     s: &LayerShape,
     x: &[f32],
@@ -200,8 +207,22 @@ pub(crate) fn backward(
     saved: &Saved,
     d_out: &[f32],
     mask: Option<&AttentionMask>,
-) -> Result<Grads> {
+    into: GradsInto<'_>,
+) -> Result<OtherGrads> {
     s.check(x, &p)?;
+    if into.x.len() != x.len() || into.w_qkv.len() != s.qkv_weight_len() {
+        return Err(Error::Kernel(format!(
+            "gradient buffers of {} and {} for x {} and W_qkv {}",
+            into.x.len(),
+            into.w_qkv.len(),
+            x.len(),
+            s.qkv_weight_len()
+        )));
+    }
+    let GradsInto {
+        x: dx,
+        w_qkv: dw_qkv,
+    } = into;
     let (n, c, hv) = (s.rows(), s.qkv_cols(), s.ctx_cols());
     if d_out.len() != n * s.out_cols() {
         return Err(Error::Kernel(format!(
@@ -210,7 +231,6 @@ pub(crate) fn backward(
             s.out_cols()
         )));
     }
-    let mut dw_qkv = vec![0f32; s.qkv_weight_len()];
     let mut dw_o = vec![0f32; s.w_o_len()];
     let mut d_biases = vec![0f32; s.bias_len()];
     let (db_qkv, db_o) = d_biases.split_at_mut(c);
@@ -260,26 +280,23 @@ pub(crate) fn backward(
     let dq = MatRef::row_major(&d_qkv, n, c)?;
     let xm = MatRef::row_major(x, n, s.hidden)?;
     if s.qkv_t {
-        let mut dst = MatMut::new(&mut dw_qkv, 0, s.hidden, c, c)?; // (hidden, q+k+v)
+        let mut dst = MatMut::new(dw_qkv, 0, s.hidden, c, c)?; // (hidden, q+k+v)
         matmul(&mut dst, xm.t(), dq, false, 1.0, threads())?;
     } else {
-        let mut dst = MatMut::new(&mut dw_qkv, 0, c, s.hidden, s.hidden)?; // (q+k+v, hidden)
+        let mut dst = MatMut::new(dw_qkv, 0, c, s.hidden, s.hidden)?; // (q+k+v, hidden)
         matmul(&mut dst, dq.t(), xm, false, 1.0, threads())?;
     }
     column_sums(&d_qkv, c, db_qkv);
-    let mut dx = vec![0f32; n * s.hidden];
     let w_qkv = s.w_qkv(p.w_qkv)?;
     matmul(
-        &mut MatMut::new(&mut dx, 0, n, s.hidden, s.hidden)?,
+        &mut MatMut::new(dx, 0, n, s.hidden, s.hidden)?,
         dq,
         w_qkv,
         false,
         1.0,
         threads(),
     )?; // (n, hidden)
-    Ok(Grads {
-        x: dx,
-        w_qkv: dw_qkv,
+    Ok(OtherGrads {
         w_o: dw_o,
         biases: d_biases,
     })
