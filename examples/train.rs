@@ -109,6 +109,8 @@ impl Rng {
 
 fn main() -> anyhow::Result<()> {
     let a = Args::parse();
+    // Each step allocates its gradients afresh: keep freed memory for the next one.
+    candle_attention::retain_freed_memory();
     let text = std::fs::read_to_string(&a.text)
         .with_context(|| format!("reading {}", a.text.display()))?;
     let mut chars: Vec<char> = text.chars().collect();
