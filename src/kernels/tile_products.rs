@@ -80,7 +80,7 @@ impl Packing {
 }
 
 /// `f32` slots to write into (the view of initialised floats as maybe-uninitialised ones).
-fn slots(x: &mut [f32]) -> &mut [MaybeUninit<f32>] {
+pub(crate) fn slots(x: &mut [f32]) -> &mut [MaybeUninit<f32>] {
     // SAFETY: `MaybeUninit<f32>` has the layout of `f32`, and the view only ever gets
     // initialised values written into it, so `x` stays initialised.
     unsafe { &mut *(x as *mut [f32] as *mut [MaybeUninit<f32>]) }
@@ -91,7 +91,7 @@ fn slots(x: &mut [f32]) -> &mut [MaybeUninit<f32>] {
 ///
 /// # Shapes
 /// - `keys`: `(seq_k, dk)` with contiguous rows; `dst`: `dk * width` floats
-fn pack_keys(
+pub(crate) fn pack_keys(
     keys: &MatRef<'_>,
     (first, n): (usize, usize),
     scale: f32,
@@ -123,7 +123,7 @@ fn pack_keys(
 ///
 /// # Shapes
 /// - `values`: `(rows, dv)` with contiguous rows; `dst`: `rows * width` floats
-fn pack_values(
+pub(crate) fn pack_values(
     values: &MatRef<'_>,
     (c0, n): (usize, usize),
     dst: &mut [MaybeUninit<f32>],
