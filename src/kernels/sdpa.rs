@@ -383,3 +383,88 @@ fn scatter_heads(
         });
     Ok(())
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn values(n: usize, seed: usize) -> Vec<f32> {
+        (0..n)
+            .map(|i| (((i * 7919 + seed * 104_729) % 2003) as f32 / 1001.0) - 1.0)
+            .collect()
+    }
+
+    /// dQ, dK and dV in the projection's columns for self-attention (one buffer) or
+    /// cross-attention (dQ apart), run in a pool of `threads`.
+    fn gradients(threads: usize, cross: bool) -> Result<(Vec<f32>, Vec<f32>)> {
+        // One (batch, kv head) group and keys over three 256-key tiles: with more threads
+        // its keys are cut into chunks whose dQ partials are added into strided rows.
+        let (b, h, kvh, t, d) = (1, 2, 1, 600, 8);
+        let c = h * d + 2 * kvh * d;
+        let qkv = values(b * t * c, 1);
+        let o = values(b * t * h * d, 2);
+        let d_o = values(b * t * h * d, 3);
+        let at = |col0, heads| PackedHeads {
+            data: &qkv,
+            offset: 0,
+            seq: t,
+            cols: c,
+            col0,
+            heads,
+            width: d,
+        };
+        let heads = (at(0, h), at(h * d, kvh), at(h * d + kvh * d, kvh));
+        let mut lse = vec![0f32; b * h * t];
+        let mut ctx = vec![0f32; b * t * h * d];
+        packed_attention_into(b, heads, None, 0.3, &mut ctx, Some(&mut lse))?;
+        // Garbage where the gradients go: the backward must overwrite it.
+        let mut dq = vec![f32::NAN; b * t * c];
+        let mut kv = vec![f32::NAN; b * t * c];
+        let pool = rayon::ThreadPoolBuilder::new()
+            .num_threads(threads)
+            .build()
+            .map_err(|e| Error::Kernel(e.to_string()))?;
+        let grad = |col0| PackedGrad { cols: c, col0 };
+        pool.install(|| {
+            packed_attention_backward(
+                b,
+                heads,
+                &o,
+                &d_o,
+                (None, 0.3, Some(&lse)),
+                (&mut dq, grad(0)),
+                if cross { Some(&mut kv) } else { None },
+                (grad(h * d), grad(h * d + kvh * d)),
+            )
+        })?;
+        Ok((dq, kv))
+    }
+
+    #[test]
+    fn packed_gradients_with_key_chunks_equal_one_chunk() -> Result<()> {
+        for cross in [false, true] {
+            let (one_q, one_kv) = gradients(1, cross)?;
+            let (many_q, many_kv) = gradients(3, cross)?;
+            let d = 8;
+            for (i, (a, b)) in one_q.iter().zip(&many_q).enumerate() {
+                let written = !cross || i % 32 < 2 * d;
+                if written {
+                    assert!(a.is_finite(), "cross {cross}: element {i} not written");
+                    assert!((a - b).abs() <= 1e-5, "cross {cross}: {i}: {a} vs {b}");
+                } else {
+                    assert!(a.is_nan() && b.is_nan(), "cross {cross}: {i} written");
+                }
+            }
+            if cross {
+                for (i, (a, b)) in one_kv.iter().zip(&many_kv).enumerate() {
+                    if i % 32 >= 2 * d {
+                        assert!(a.is_finite() && (a - b).abs() <= 1e-5, "kv {i}: {a} vs {b}");
+                    } else {
+                        assert!(a.is_nan(), "kv {i} written");
+                    }
+                }
+            }
+        }
+        Ok(())
+    }
+}
