@@ -88,6 +88,16 @@ pub(crate) fn self_attention(
     Ok(x.apply_op3(&w_qkv, &third, op)?)
 }
 
+/// `v` as the gradient of `t` when `t` tracks gradients; `None` otherwise (candle sums each
+/// returned gradient into a fresh tensor, so an unneeded one costs its size twice).
+fn gradient_for(t: &Tensor, v: Vec<f32>) -> Result<Option<Tensor>> {
+    Ok(if t.track_op() {
+        Some(Tensor::from_vec(v, t.shape(), t.device())?)
+    } else {
+        None
+    })
+}
+
 /// A tensor's f32 data, contiguous, on the CPU.
 fn dense(t: &Tensor) -> Result<Tensor> {
     Ok(t.to_dtype(DType::F32)?.contiguous()?)
@@ -208,23 +218,15 @@ impl CustomOp3 for LayerOp {
             )?;
             let g =
                 other.ok_or_else(|| Error::Kernel("the layer's backward did not run".into()))?;
-            // Only inputs that track gradients get one (candle sums each into a fresh tensor).
-            let grad = |t: &Tensor, v: Vec<f32>| -> Result<Option<Tensor>> {
-                Ok(if t.track_op() {
-                    Some(Tensor::from_vec(v, t.shape(), t.device())?)
-                } else {
-                    None
-                })
-            };
             let third_grad = match &self.bundled {
-                None => grad(third, g.biases)?,
+                None => gradient_for(third, g.biases)?,
                 Some(b) => {
                     let mut handoff = b.grads.lock().map_err(|_| {
                         Error::Kernel("the layer's gradient handoff is poisoned".into())
                     })?;
                     *handoff = Some((g.biases, g.w_o));
                     // The placeholder's gradient: it only routes the backward to the bundle.
-                    grad(third, vec![0.0; third.elem_count()])?
+                    gradient_for(third, vec![0.0; third.elem_count()])?
                 }
             };
             let keep = |t: &Tensor, g: Tensor| t.track_op().then_some(g);
@@ -265,14 +267,7 @@ impl CustomOp2 for BundleOp {
                 .ok_or_else(|| {
                     Error::Kernel("the layer's backward did not hand over W_O's gradient".into())
                 })?;
-            let grad = |t: &Tensor, v: Vec<f32>| -> Result<Option<Tensor>> {
-                Ok(if t.track_op() {
-                    Some(Tensor::from_vec(v, t.shape(), t.device())?)
-                } else {
-                    None
-                })
-            };
-            Ok((grad(biases, db)?, grad(w_o, dw)?))
+            Ok((gradient_for(biases, db)?, gradient_for(w_o, dw)?))
         };
         run().map_err(Error::into_candle)
     }

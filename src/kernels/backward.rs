@@ -434,7 +434,7 @@ fn key_task(
                     let goi = d_o.mat(b, h, i0, n, dv)?;
                     // P = 2^(S + mask - lse), (n, cols); exactly 0 where masked.
                     match &panels {
-                        Some(kp) => kp.scores(&qi, cols, s, bk)?,
+                        Some(kp) => kp.scores(&qi, s, bk)?,
                         None => scores(p, b, h, i0, n, j0, cols, s, bk)?,
                     }
                     for r in 0..n {
@@ -452,7 +452,7 @@ fn key_task(
                     matmul(&mut gvj, pm.t(), goi, true, 1.0, Threads::One)?;
                     // dP = dO_i V_j^T, (n, cols)
                     match &panels {
-                        Some(kp) => kp.probs_grad(&goi, cols, ds, bk)?,
+                        Some(kp) => kp.probs_grad(&goi, ds, bk)?,
                         None => {
                             let mut dpm = MatMut::new(ds, 0, n, cols, bk)?;
                             matmul(&mut dpm, goi, vj.t(), false, 1.0, Threads::One)?;
@@ -593,14 +593,12 @@ impl KeyPanels {
     }
 
     /// `s = score_scale Q_i K_j^T`, `(n, cols)` at row stride `ld`.
-    fn scores(&self, qi: &MatRef<'_>, cols: usize, s: &mut [f32], ld: usize) -> Result<()> {
-        debug_assert_eq!(cols, self.cols);
+    fn scores(&self, qi: &MatRef<'_>, s: &mut [f32], ld: usize) -> Result<()> {
         self.over_keys(qi, &self.kt, self.dk, s, ld)
     }
 
     /// `dp = dO_i V_j^T`, `(n, cols)` at row stride `ld`.
-    fn probs_grad(&self, goi: &MatRef<'_>, cols: usize, dp: &mut [f32], ld: usize) -> Result<()> {
-        debug_assert_eq!(cols, self.cols);
+    fn probs_grad(&self, goi: &MatRef<'_>, dp: &mut [f32], ld: usize) -> Result<()> {
         self.over_keys(goi, &self.vt, self.dv, dp, ld)
     }
 

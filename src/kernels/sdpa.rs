@@ -386,13 +386,8 @@ fn scatter_heads(
 
 #[cfg(test)]
 mod tests {
+    use super::super::tests::values;
     use super::*;
-
-    fn values(n: usize, seed: usize) -> Vec<f32> {
-        (0..n)
-            .map(|i| (((i * 7919 + seed * 104_729) % 2003) as f32 / 1001.0) - 1.0)
-            .collect()
-    }
 
     /// dQ, dK and dV in the projection's columns for self-attention (one buffer) or
     /// cross-attention (dQ apart), run in a pool of `threads`.
