@@ -8,6 +8,8 @@ use candle_nn::{Embedding, LayerNorm, Module, VarBuilder};
 use crate::checkpoint::Checkpoint;
 use crate::config::{AttentionConfig, HfConfig};
 use crate::error::{Error, Result};
+use crate::kernels::cpu_tensor::CpuF32;
+use crate::kernels::embedding::{embed_tokens, EmbeddingTables};
 use crate::kernels::feed_forward::{FeedForwardTensors, PackedFeedForward};
 use crate::layout::WeightLayout;
 use crate::mask::AttentionMask;
@@ -139,6 +141,15 @@ impl BertEmbeddings {
                 max: self.max_positions,
             });
         }
+        match self.forward_cpu(input_ids, token_type_ids)? {
+            Some(x) => Ok(x),
+            None => self.forward_candle(input_ids, token_type_ids),
+        }
+    }
+
+    /// [`BertEmbeddings::forward`] in candle's ops (any device, dtype, autograd).
+    fn forward_candle(&self, input_ids: &Tensor, token_type_ids: &Tensor) -> Result<Tensor> {
+        let (_b, t) = input_ids.dims2()?;
         let positions = Tensor::arange(0u32, t as u32, input_ids.device())?.unsqueeze(0)?; // (1, t)
         let words = self.word.forward(input_ids)?.to_dtype(self.norm_dtype())?; // (b, t, d)
         let types = self.token_type.forward(token_type_ids)?; // (b, t, d)
@@ -149,6 +160,64 @@ impl BertEmbeddings {
 }
 
 impl BertEmbeddings {
+    /// [`BertEmbeddings::forward`] in one pass per token on the CPU kernels; `None` unless
+    /// every table is f32 on the CPU and nothing tracks gradients.
+    fn forward_cpu(&self, input_ids: &Tensor, token_type_ids: &Tensor) -> Result<Option<Tensor>> {
+        let tables = [
+            self.word.embeddings(),
+            self.token_type.embeddings(),
+            self.position.embeddings(),
+            self.norm.weight(),
+        ];
+        let Some(beta) = self.norm.bias() else {
+            return Ok(None);
+        };
+        let eligible = input_ids.device().is_cpu()
+            && tables
+                .iter()
+                .chain([beta].iter())
+                .all(|w| w.device().is_cpu() && w.dtype() == DType::F32 && !w.track_op());
+        if !eligible {
+            return Ok(None);
+        }
+        let (b, t) = input_ids.dims2()?;
+        if token_type_ids.dims() != input_ids.dims() {
+            return Err(Error::input(
+                "token_type_ids",
+                format!("the shape of input_ids {:?}", input_ids.dims()),
+                format!("{:?}", token_type_ids.dims()),
+            ));
+        }
+        let ids = |x: &Tensor| -> Result<Vec<u32>> {
+            Ok(x.to_dtype(DType::U32)?.flatten_all()?.to_vec1::<u32>()?)
+        };
+        let (ids, types) = (ids(input_ids)?, ids(token_type_ids)?);
+        let (word, ty, pos) = (
+            CpuF32::new(self.word.embeddings(), "word_embeddings")?,
+            CpuF32::new(self.token_type.embeddings(), "token_type_embeddings")?,
+            CpuF32::new(self.position.embeddings(), "position_embeddings")?,
+        );
+        let (gamma, beta) = (
+            CpuF32::new(self.norm.weight(), "LayerNorm.weight")?,
+            CpuF32::new(beta, "LayerNorm.bias")?,
+        );
+        let out = embed_tokens(
+            &EmbeddingTables {
+                word: word.contiguous()?,
+                token_type: ty.contiguous()?,
+                position: pos.contiguous()?,
+                gamma: &gamma.vector()?,
+                beta: &beta.vector()?,
+                eps: self.norm.eps() as f32,
+            },
+            &ids,
+            &types,
+            t,
+        )?;
+        let d = out.len() / (b * t).max(1);
+        Ok(Some(Tensor::from_vec(out, (b, t, d), input_ids.device())?))
+    }
+
     fn norm_dtype(&self) -> DType {
         self.position.embeddings().dtype()
     }
@@ -441,6 +510,56 @@ pub fn mean_pool(hidden: &Tensor, attention_mask: &Tensor) -> Result<Tensor> {
     Ok(sum.broadcast_div(&count)?)
 }
 
+/// [`l2_normalize`]`(`[`mean_pool`]`(hidden, attention_mask))` as rows, in one pass over
+/// `hidden` on the CPU; `None` unless `hidden` is f32 on the CPU and tracks no gradient.
+///
+/// # Shapes
+/// - `hidden`: `(batch, seq, hidden)`, `attention_mask`: `(batch, seq)`; returns `batch`
+///   rows of `hidden` values
+pub(crate) fn mean_pool_unit_rows(
+    hidden: &Tensor,
+    attention_mask: &Tensor,
+) -> Result<Option<Vec<Vec<f32>>>> {
+    if !hidden.device().is_cpu() || hidden.dtype() != DType::F32 || hidden.track_op() {
+        return Ok(None);
+    }
+    let (b, t, d) = hidden.dims3()?;
+    if attention_mask.dims() != [b, t] {
+        return Err(Error::input(
+            "attention_mask",
+            format!("({b}, {t}) for hidden states {:?}", hidden.dims()),
+            format!("{:?}", attention_mask.dims()),
+        ));
+    }
+    let mask = attention_mask
+        .to_dtype(DType::F32)?
+        .flatten_all()?
+        .to_vec1::<f32>()?;
+    let hidden = hidden.contiguous()?;
+    let view = CpuF32::new(&hidden, "hidden_states")?;
+    let h = view.contiguous()?;
+    let rows = (0..b)
+        .map(|i| {
+            let mut sum = vec![0f32; d];
+            let mut count = 0f32;
+            for j in 0..t {
+                let m = mask[i * t + j];
+                count += m;
+                let row = &h[(i * t + j) * d..(i * t + j + 1) * d];
+                for (s, x) in sum.iter_mut().zip(row) {
+                    *s += x * m;
+                }
+            }
+            let count = count.max(1e-9);
+            sum.iter_mut().for_each(|s| *s /= count);
+            let norm = sum.iter().map(|v| v * v).sum::<f32>().sqrt().max(1e-12);
+            sum.iter_mut().for_each(|s| *s /= norm);
+            sum
+        })
+        .collect();
+    Ok(Some(rows))
+}
+
 /// Rows scaled to unit L2 norm.
 ///
 /// # Shapes
@@ -452,4 +571,86 @@ pub fn l2_normalize(x: &Tensor) -> Result<Tensor> {
         .sqrt()?
         .clamp(1e-12f32, f32::INFINITY)?;
     Ok(x.broadcast_div(&norm)?)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::collections::HashMap;
+
+    fn values(shape: &[usize], seed: usize) -> Result<Tensor> {
+        let n: usize = shape.iter().product();
+        let v: Vec<f32> = (0..n)
+            .map(|i| (((i * 7919 + seed * 104_729) % 2003) as f32 / 1001.0) - 1.0)
+            .collect();
+        Ok(Tensor::from_vec(v, shape, &Device::Cpu)?)
+    }
+
+    /// The one-pass CPU embeddings equal candle's composition; both reject an id past the
+    /// vocabulary.
+    #[test]
+    fn cpu_embeddings_equal_candle_ops() -> Result<()> {
+        let (vocab, d, positions) = (30, 24, 12);
+        let cfg: HfConfig = serde_json::from_str(&format!(
+            r#"{{"hidden_size": {d}, "num_attention_heads": 4, "num_hidden_layers": 1,
+                "vocab_size": {vocab}, "max_position_embeddings": {positions},
+                "layer_norm_eps": 1e-12, "hidden_act": "gelu"}}"#
+        ))
+        .map_err(|e| Error::config(e.to_string()))?;
+        let tensors = HashMap::from([
+            (
+                "word_embeddings.weight".to_string(),
+                values(&[vocab, d], 1)?,
+            ),
+            (
+                "position_embeddings.weight".to_string(),
+                values(&[positions, d], 2)?,
+            ),
+            (
+                "token_type_embeddings.weight".to_string(),
+                values(&[2, d], 3)?,
+            ),
+            ("LayerNorm.weight".to_string(), (values(&[d], 4)? + 1.5)?),
+            ("LayerNorm.bias".to_string(), values(&[d], 5)?),
+        ]);
+        let vb = VarBuilder::from_tensors(tensors, DType::F32, &Device::Cpu);
+        let emb = BertEmbeddings::load(vb, &cfg, None)?;
+        let ids = Tensor::new(&[[1u32, 29, 3, 0, 7], [4, 4, 28, 2, 0]], &Device::Cpu)?;
+        let types = Tensor::new(&[[0u32, 0, 1, 1, 0], [1, 0, 0, 0, 1]], &Device::Cpu)?;
+        let fast = emb
+            .forward_cpu(&ids, &types)?
+            .ok_or_else(|| Error::Kernel("the CPU path did not run".into()))?;
+        let slow = emb.forward_candle(&ids, &types)?;
+        assert_eq!(fast.dims(), slow.dims());
+        let diff = (fast - slow)?.abs()?.max_all()?.to_scalar::<f32>()?;
+        assert!(diff < 1e-5, "CPU path vs candle ops: {diff}");
+        let bad = Tensor::new(&[[1u32, vocab as u32]], &Device::Cpu)?;
+        let zeros = bad.zeros_like()?;
+        assert!(emb.forward_cpu(&bad, &zeros).is_err());
+        assert!(emb.forward_candle(&bad, &zeros).is_err());
+        Ok(())
+    }
+
+    /// The pooled rows equal `l2_normalize(mean_pool(..))`, for a mask with a sentence of no
+    /// tokens at all too.
+    #[test]
+    fn pooled_rows_equal_the_tensor_functions() -> Result<()> {
+        let hidden = values(&[3, 5, 16], 7)?;
+        let mask = Tensor::new(
+            &[[1u32, 1, 1, 0, 0], [1, 1, 1, 1, 1], [0, 0, 0, 0, 0]],
+            &Device::Cpu,
+        )?;
+        let rows = mean_pool_unit_rows(&hidden, &mask)?
+            .ok_or_else(|| Error::Kernel("the CPU path did not run".into()))?;
+        let want = l2_normalize(&mean_pool(&hidden, &mask)?)?.to_vec2::<f32>()?;
+        assert_eq!(rows.len(), want.len());
+        for (i, (got, want)) in rows.iter().zip(&want).enumerate() {
+            for (g, w) in got.iter().zip(want) {
+                assert!((g - w).abs() < 1e-6, "row {i}: {g} vs {w}");
+            }
+        }
+        assert!(rows[2].iter().all(|&v| v == 0.0));
+        assert!(mean_pool_unit_rows(&hidden, &mask.narrow(1, 0, 4)?).is_err());
+        Ok(())
+    }
 }

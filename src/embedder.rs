@@ -8,7 +8,7 @@ use std::sync::Mutex;
 use rayon::prelude::*;
 
 use crate::batching::into_length_sorted_batches;
-use crate::bert::{l2_normalize, mean_pool, BertEncoder};
+use crate::bert::{l2_normalize, mean_pool, mean_pool_unit_rows, BertEncoder};
 use crate::error::{Error, Result};
 use crate::text::{EncodedBatch, EncodedText, TextEncoder};
 
@@ -87,8 +87,7 @@ impl<'m> Embedder<'m> {
         let batches = into_length_sorted_batches(items, EncodedText::len, self.batch_size)?;
         let done = Mutex::new(done);
         let run = |(batch, members): (Vec<usize>, Vec<EncodedText>)| {
-            let embedded = self.embed_batch(&self.text.pad(members, &self.device)?)?;
-            let rows = embedded.to_vec2::<f32>()?;
+            let rows = self.embed_batch_rows(&self.text.pad(members, &self.device)?)?;
             if let Ok(mut done) = done.lock() {
                 done(batch.len());
             }
@@ -106,6 +105,23 @@ impl<'m> Embedder<'m> {
             }
         }
         Ok(rows)
+    }
+
+    /// [`Embedder::embed_batch`] as rows (pooled straight from the CPU's hidden states).
+    fn embed_batch_rows(&self, batch: &EncodedBatch) -> Result<Vec<Vec<f32>>> {
+        let out = self.encoder.forward(
+            &batch.input_ids,
+            Some(&batch.token_type_ids),
+            Some(&batch.attention_mask),
+            false,
+        )?;
+        match mean_pool_unit_rows(&out.hidden_states, &batch.attention_mask)? {
+            Some(rows) => Ok(rows),
+            None => {
+                let pooled = mean_pool(&out.hidden_states, &batch.attention_mask)?;
+                Ok(l2_normalize(&pooled)?.to_dtype(DType::F32)?.to_vec2()?)
+            }
+        }
     }
 
     /// Embeddings of one padded batch.

@@ -1,6 +1,7 @@
 //! Residual add and LayerNorm in one pass over each row: `y = LN(a + b) gamma + beta`, the
-//! step that closes each half of a BERT layer. Rows are split among the threads; sums run
-//! in independent lanes so the compiler vectorises them.
+//! step that closes each half of a BERT layer (and sums in BERT's position embeddings).
+//! Rows are split among the threads; sums run in independent lanes so the compiler
+//! vectorises them.
 
 use rayon::prelude::*;
 
@@ -48,6 +49,25 @@ pub(crate) fn add_layer_norm_in_place(
             .for_each(work);
     }
     Ok(())
+}
+
+/// `a = LN(a + b) gamma + beta` for one row (the first argument of
+/// [`add_layer_norm_in_place`] holding one row).
+pub(crate) fn add_layer_norm_row(
+    a: &mut [f32],
+    b: &[f32],
+    gamma: &[f32],
+    beta: &[f32],
+    eps: f32,
+) -> Result<()> {
+    if a.len() != gamma.len() {
+        return Err(Error::Kernel(format!(
+            "a LayerNorm row of {} values with {} weights",
+            a.len(),
+            gamma.len()
+        )));
+    }
+    add_layer_norm_in_place(a, b, gamma, beta, eps)
 }
 
 /// One row, with the widest vectors the CPU has.

@@ -21,6 +21,7 @@ pub(crate) mod activation;
 mod aligned;
 pub(crate) mod backward;
 pub(crate) mod cpu_tensor;
+pub(crate) mod embedding;
 mod f16_kernels;
 pub(crate) mod feed_forward;
 mod flash;
