@@ -2,14 +2,14 @@
 //! candle-nn parts: embeddings (word + position + token type, LayerNorm), then per layer
 //! attention, residual + LayerNorm, feed-forward, residual + LayerNorm.
 
-use candle_core::{DType, Device, Tensor};
+use candle_core::{CpuStorage, DType, Device, Storage, Tensor};
 use candle_nn::{Embedding, LayerNorm, Module, VarBuilder};
 
 use crate::checkpoint::Checkpoint;
 use crate::config::{AttentionConfig, HfConfig};
 use crate::error::{Error, Result};
 use crate::kernels::cpu_tensor::CpuF32;
-use crate::kernels::embedding::{embed_tokens, EmbeddingTables};
+use crate::kernels::embedding::{embed_tokens, EmbeddingTables, WordTable};
 use crate::kernels::feed_forward::{FeedForwardTensors, PackedFeedForward};
 use crate::layout::WeightLayout;
 use crate::mask::AttentionMask;
@@ -161,21 +161,24 @@ impl BertEmbeddings {
 
 impl BertEmbeddings {
     /// [`BertEmbeddings::forward`] in one pass per token on the CPU kernels; `None` unless
-    /// every table is f32 on the CPU and nothing tracks gradients.
+    /// every table is on the CPU, f32 (the words also f16 or bf16), and tracks no gradient.
     fn forward_cpu(&self, input_ids: &Tensor, token_type_ids: &Tensor) -> Result<Option<Tensor>> {
-        let tables = [
-            self.word.embeddings(),
-            self.token_type.embeddings(),
-            self.position.embeddings(),
-            self.norm.weight(),
-        ];
         let Some(beta) = self.norm.bias() else {
             return Ok(None);
         };
+        let word = self.word.embeddings();
+        let f32_tables = [
+            self.token_type.embeddings(),
+            self.position.embeddings(),
+            self.norm.weight(),
+            beta,
+        ];
         let eligible = input_ids.device().is_cpu()
-            && tables
+            && word.device().is_cpu()
+            && [DType::F32, DType::F16, DType::BF16].contains(&word.dtype())
+            && !word.track_op()
+            && f32_tables
                 .iter()
-                .chain([beta].iter())
                 .all(|w| w.device().is_cpu() && w.dtype() == DType::F32 && !w.track_op());
         if !eligible {
             return Ok(None);
@@ -192,8 +195,17 @@ impl BertEmbeddings {
             Ok(x.to_dtype(DType::U32)?.flatten_all()?.to_vec1::<u32>()?)
         };
         let (ids, types) = (ids(input_ids)?, ids(token_type_ids)?);
-        let (word, ty, pos) = (
-            CpuF32::new(self.word.embeddings(), "word_embeddings")?,
+        let (guard, layout) = word.storage_and_layout();
+        let Some((start, end)) = layout.contiguous_offsets() else {
+            return Ok(None);
+        };
+        let word = match &*guard {
+            Storage::Cpu(CpuStorage::F32(v)) => WordTable::F32(&v[start..end]),
+            Storage::Cpu(CpuStorage::F16(v)) => WordTable::F16(&v[start..end]),
+            Storage::Cpu(CpuStorage::BF16(v)) => WordTable::Bf16(&v[start..end]),
+            _ => return Ok(None),
+        };
+        let (ty, pos) = (
             CpuF32::new(self.token_type.embeddings(), "token_type_embeddings")?,
             CpuF32::new(self.position.embeddings(), "position_embeddings")?,
         );
@@ -203,7 +215,7 @@ impl BertEmbeddings {
         );
         let out = embed_tokens(
             &EmbeddingTables {
-                word: word.contiguous()?,
+                word,
                 token_type: ty.contiguous()?,
                 position: pos.contiguous()?,
                 gamma: &gamma.vector()?,
@@ -614,20 +626,26 @@ mod tests {
             ("LayerNorm.bias".to_string(), values(&[d], 5)?),
         ]);
         let vb = VarBuilder::from_tensors(tensors, DType::F32, &Device::Cpu);
-        let emb = BertEmbeddings::load(vb, &cfg, None)?;
-        let ids = Tensor::new(&[[1u32, 29, 3, 0, 7], [4, 4, 28, 2, 0]], &Device::Cpu)?;
-        let types = Tensor::new(&[[0u32, 0, 1, 1, 0], [1, 0, 0, 0, 1]], &Device::Cpu)?;
-        let fast = emb
-            .forward_cpu(&ids, &types)?
-            .ok_or_else(|| Error::Kernel("the CPU path did not run".into()))?;
-        let slow = emb.forward_candle(&ids, &types)?;
-        assert_eq!(fast.dims(), slow.dims());
-        let diff = (fast - slow)?.abs()?.max_all()?.to_scalar::<f32>()?;
-        assert!(diff < 1e-5, "CPU path vs candle ops: {diff}");
-        let bad = Tensor::new(&[[1u32, vocab as u32]], &Device::Cpu)?;
-        let zeros = bad.zeros_like()?;
-        assert!(emb.forward_cpu(&bad, &zeros).is_err());
-        assert!(emb.forward_candle(&bad, &zeros).is_err());
+        // The word table as stored in f32, and kept in f16 (a half-precision checkpoint).
+        for word_dtype in [None, Some(DType::F16)] {
+            let emb = BertEmbeddings::load(vb.clone(), &cfg, word_dtype)?;
+            let ids = Tensor::new(&[[1u32, 29, 3, 0, 7], [4, 4, 28, 2, 0]], &Device::Cpu)?;
+            let types = Tensor::new(&[[0u32, 0, 1, 1, 0], [1, 0, 0, 0, 1]], &Device::Cpu)?;
+            let fast = emb
+                .forward_cpu(&ids, &types)?
+                .ok_or_else(|| Error::Kernel("the CPU path did not run".into()))?;
+            let slow = emb.forward_candle(&ids, &types)?;
+            assert_eq!(fast.dims(), slow.dims());
+            let diff = (fast - slow)?.abs()?.max_all()?.to_scalar::<f32>()?;
+            assert!(
+                diff < 1e-5,
+                "{word_dtype:?}: CPU path vs candle ops: {diff}"
+            );
+            let bad = Tensor::new(&[[1u32, vocab as u32]], &Device::Cpu)?;
+            let zeros = bad.zeros_like()?;
+            assert!(emb.forward_cpu(&bad, &zeros).is_err());
+            assert!(emb.forward_candle(&bad, &zeros).is_err());
+        }
         Ok(())
     }
 

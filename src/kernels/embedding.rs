@@ -1,7 +1,10 @@
 //! BERT's input embeddings on the CPU in f32: per token the word, token type and position
 //! rows summed and layer-normalised in one pass (candle's composition takes three lookups,
-//! two adds and a LayerNorm, each a pass over memory with its own allocation).
+//! a widening of the half-precision word rows, two adds and a LayerNorm, each a pass over
+//! memory with its own allocation).
 
+use half::slice::HalfFloatSliceExt;
+use half::{bf16, f16};
 use rayon::prelude::*;
 
 use super::layer_norm::add_layer_norm_row;
@@ -10,9 +13,38 @@ use crate::error::{Error, Result};
 /// Tokens per task.
 const TOKENS_PER_TASK: usize = 32;
 
-/// The three tables and the LayerNorm, as `(rows, hidden)` row-major f32 slices.
+/// The word table `(vocab, hidden)` row-major, in its stored precision (a half-precision
+/// checkpoint keeps it so: rows are widened exactly as they are looked up).
+#[derive(Clone, Copy)]
+pub(crate) enum WordTable<'a> {
+    F32(&'a [f32]),
+    F16(&'a [f16]),
+    Bf16(&'a [bf16]),
+}
+
+impl WordTable<'_> {
+    fn len(&self) -> usize {
+        match self {
+            WordTable::F32(w) => w.len(),
+            WordTable::F16(w) => w.len(),
+            WordTable::Bf16(w) => w.len(),
+        }
+    }
+
+    /// `out = row id` (`out.len()` values per row).
+    fn row_into(&self, id: usize, out: &mut [f32]) {
+        let d = out.len();
+        match self {
+            WordTable::F32(w) => out.copy_from_slice(&w[id * d..(id + 1) * d]),
+            WordTable::F16(w) => w[id * d..(id + 1) * d].convert_to_f32_slice(out),
+            WordTable::Bf16(w) => w[id * d..(id + 1) * d].convert_to_f32_slice(out),
+        }
+    }
+}
+
+/// The three tables and the LayerNorm: `(rows, hidden)` row-major, f32 but for the words.
 pub(crate) struct EmbeddingTables<'a> {
-    pub word: &'a [f32],
+    pub word: WordTable<'a>,
     pub token_type: &'a [f32],
     pub position: &'a [f32],
     pub gamma: &'a [f32],
@@ -34,9 +66,13 @@ pub(crate) fn embed_tokens(
     let d = tables.gamma.len();
     if d == 0
         || tables.beta.len() != d
-        || [tables.word, tables.token_type, tables.position]
-            .iter()
-            .any(|t| t.len() % d != 0)
+        || [
+            tables.word.len(),
+            tables.token_type.len(),
+            tables.position.len(),
+        ]
+        .iter()
+        .any(|n| n % d != 0)
     {
         return Err(Error::Kernel(format!(
             "embedding tables of {} / {} / {} values for a hidden size of {d}",
@@ -87,10 +123,10 @@ pub(crate) fn embed_tokens(
             for (j, row) in chunk.chunks_exact_mut(d).enumerate() {
                 let i = task * TOKENS_PER_TASK + j;
                 let (id, tt, p) = (ids[i] as usize, types[i] as usize, i % seq);
-                let word = &tables.word[id * d..(id + 1) * d];
+                tables.word.row_into(id, row);
                 let ty = &tables.token_type[tt * d..(tt + 1) * d];
-                for ((o, w), t) in row.iter_mut().zip(word).zip(ty) {
-                    *o = w + t;
+                for (o, t) in row.iter_mut().zip(ty) {
+                    *o += t;
                 }
                 let pos = &tables.position[p * d..(p + 1) * d];
                 add_layer_norm_row(row, pos, tables.gamma, tables.beta, tables.eps)?;
@@ -110,21 +146,45 @@ mod tests {
             .collect()
     }
 
-    /// Every token equals the definition in f64; out-of-range ids and sequences are errors.
+    /// Every token equals the definition in f64, with the word table in f32, f16 and bf16;
+    /// out-of-range ids and sequences are errors.
     #[test]
     fn equals_the_definition_and_checks_ids() -> Result<()> {
         let (d, vocab, n_types, n_pos) = (37, 50, 2, 9);
-        let (word, ty, pos) = (
-            values(vocab * d, 1),
-            values(n_types * d, 2),
-            values(n_pos * d, 3),
-        );
+        let (ty, pos) = (values(n_types * d, 2), values(n_pos * d, 3));
+        let word32 = values(vocab * d, 1);
+        let word16: Vec<f16> = word32.iter().map(|&v| f16::from_f32(v)).collect();
+        let wordb16: Vec<bf16> = word32.iter().map(|&v| bf16::from_f32(v)).collect();
+        let widened = [
+            word32.clone(),
+            word16.iter().map(|v| v.to_f32()).collect(),
+            wordb16.iter().map(|v| v.to_f32()).collect(),
+        ];
+        let tables = [
+            WordTable::F32(&word32),
+            WordTable::F16(&word16),
+            WordTable::Bf16(&wordb16),
+        ];
+        for (word_table, word) in tables.into_iter().zip(&widened) {
+            check(word_table, word, &ty, &pos, d)?;
+        }
+        Ok(())
+    }
+
+    fn check(
+        word_table: WordTable<'_>,
+        word: &[f32],
+        ty: &[f32],
+        pos: &[f32],
+        d: usize,
+    ) -> Result<()> {
+        let (vocab, n_types) = (word.len() / d, ty.len() / d);
         let gamma: Vec<f32> = values(d, 4).iter().map(|g| g + 1.5).collect();
         let beta = values(d, 5);
         let tables = EmbeddingTables {
-            word: &word,
-            token_type: &ty,
-            position: &pos,
+            word: word_table,
+            token_type: ty,
+            position: pos,
             gamma: &gamma,
             beta: &beta,
             eps: 1e-12,
