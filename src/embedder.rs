@@ -109,18 +109,10 @@ impl<'m> Embedder<'m> {
 
     /// [`Embedder::embed_batch`] as rows (pooled straight from the CPU's hidden states).
     fn embed_batch_rows(&self, batch: &EncodedBatch) -> Result<Vec<Vec<f32>>> {
-        let out = self.encoder.forward(
-            &batch.input_ids,
-            Some(&batch.token_type_ids),
-            Some(&batch.attention_mask),
-            false,
-        )?;
-        match mean_pool_unit_rows(&out.hidden_states, &batch.attention_mask)? {
+        let hidden = self.hidden_states(batch)?;
+        match mean_pool_unit_rows(&hidden, &batch.attention_mask)? {
             Some(rows) => Ok(rows),
-            None => {
-                let pooled = mean_pool(&out.hidden_states, &batch.attention_mask)?;
-                Ok(l2_normalize(&pooled)?.to_dtype(DType::F32)?.to_vec2()?)
-            }
+            None => Ok(Self::pool(&hidden, batch)?.to_vec2()?),
         }
     }
 
@@ -129,13 +121,23 @@ impl<'m> Embedder<'m> {
     /// # Shapes
     /// - returns `(batch, hidden)` f32, rows of unit length
     pub fn embed_batch(&self, batch: &EncodedBatch) -> Result<Tensor> {
+        Self::pool(&self.hidden_states(batch)?, batch)
+    }
+
+    /// The encoder's last hidden states `(batch, seq, hidden)` for one padded batch.
+    fn hidden_states(&self, batch: &EncodedBatch) -> Result<Tensor> {
         let out = self.encoder.forward(
             &batch.input_ids,
             Some(&batch.token_type_ids),
             Some(&batch.attention_mask),
             false,
         )?;
-        let pooled = mean_pool(&out.hidden_states, &batch.attention_mask)?;
+        Ok(out.hidden_states)
+    }
+
+    /// Mean pooling over the real tokens, then unit length, in f32 `(batch, hidden)`.
+    fn pool(hidden: &Tensor, batch: &EncodedBatch) -> Result<Tensor> {
+        let pooled = mean_pool(hidden, &batch.attention_mask)?;
         Ok(l2_normalize(&pooled)?.to_dtype(DType::F32)?)
     }
 }
