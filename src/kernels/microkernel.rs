@@ -257,71 +257,34 @@ unsafe fn kernel<const R: usize, const C: usize, const W: usize>(
     store_tile::<R, C>(&acc, c, ldc, mask);
 }
 
-/// One depth step of the `8 x 48` tile as assembly text: the three weight vectors at byte
-/// `$b0` of `{b}`, each row's value at byte `$a` of its row (rows 0-2 from `{a}`, 3-5 from
-/// `{a3}`, 6-7 from `{a6}`, `{lda}` bytes apart) broadcast once and multiplied into
-/// `zmm0..zmm23`.
+/// One depth step of the `8 x 48` tile as assembly text: the three weight vectors at bytes
+/// `$b0`, `$b1`, `$b2` of `{b}` (64 apart), each row's value at byte `$a` of its row (rows 0-2
+/// from `{a}`, 3-5 from `{a3}`, 6-7 from `{a6}`, `{lda}` bytes apart) broadcast once into
+/// `zmm27..zmm31` and multiplied into `zmm0..zmm23`.
 #[cfg(target_arch = "x86_64")]
+#[rustfmt::skip]
 macro_rules! step_8x48 {
     ($a:literal, $b0:literal, $b1:literal, $b2:literal) => {
         concat!(
-            "vmovups zmm24, [{b} + ",
-            $b0,
-            "]\n",
-            "vmovups zmm25, [{b} + ",
-            $b1,
-            "]\n",
-            "vmovups zmm26, [{b} + ",
-            $b2,
-            "]\n",
-            "vbroadcastss zmm27, dword ptr [{a} + ",
-            $a,
-            "]\n",
-            "vfmadd231ps zmm0, zmm27, zmm24\n",
-            "vfmadd231ps zmm1, zmm27, zmm25\n",
-            "vfmadd231ps zmm2, zmm27, zmm26\n",
-            "vbroadcastss zmm28, dword ptr [{a} + {lda} + ",
-            $a,
-            "]\n",
-            "vfmadd231ps zmm3, zmm28, zmm24\n",
-            "vfmadd231ps zmm4, zmm28, zmm25\n",
-            "vfmadd231ps zmm5, zmm28, zmm26\n",
-            "vbroadcastss zmm29, dword ptr [{a} + {lda}*2 + ",
-            $a,
-            "]\n",
-            "vfmadd231ps zmm6, zmm29, zmm24\n",
-            "vfmadd231ps zmm7, zmm29, zmm25\n",
-            "vfmadd231ps zmm8, zmm29, zmm26\n",
-            "vbroadcastss zmm30, dword ptr [{a3} + ",
-            $a,
-            "]\n",
-            "vfmadd231ps zmm9, zmm30, zmm24\n",
-            "vfmadd231ps zmm10, zmm30, zmm25\n",
-            "vfmadd231ps zmm11, zmm30, zmm26\n",
-            "vbroadcastss zmm31, dword ptr [{a3} + {lda} + ",
-            $a,
-            "]\n",
-            "vfmadd231ps zmm12, zmm31, zmm24\n",
-            "vfmadd231ps zmm13, zmm31, zmm25\n",
-            "vfmadd231ps zmm14, zmm31, zmm26\n",
-            "vbroadcastss zmm27, dword ptr [{a3} + {lda}*2 + ",
-            $a,
-            "]\n",
-            "vfmadd231ps zmm15, zmm27, zmm24\n",
-            "vfmadd231ps zmm16, zmm27, zmm25\n",
-            "vfmadd231ps zmm17, zmm27, zmm26\n",
-            "vbroadcastss zmm28, dword ptr [{a6} + ",
-            $a,
-            "]\n",
-            "vfmadd231ps zmm18, zmm28, zmm24\n",
-            "vfmadd231ps zmm19, zmm28, zmm25\n",
-            "vfmadd231ps zmm20, zmm28, zmm26\n",
-            "vbroadcastss zmm29, dword ptr [{a6} + {lda} + ",
-            $a,
-            "]\n",
-            "vfmadd231ps zmm21, zmm29, zmm24\n",
-            "vfmadd231ps zmm22, zmm29, zmm25\n",
-            "vfmadd231ps zmm23, zmm29, zmm26\n",
+            "vmovups zmm24, [{b} + ", $b0, "]\n",
+            "vmovups zmm25, [{b} + ", $b1, "]\n",
+            "vmovups zmm26, [{b} + ", $b2, "]\n",
+            "vbroadcastss zmm27, dword ptr [{a} + ", $a, "]\n",
+            "vfmadd231ps zmm0, zmm27, zmm24\n", "vfmadd231ps zmm1, zmm27, zmm25\n", "vfmadd231ps zmm2, zmm27, zmm26\n",
+            "vbroadcastss zmm28, dword ptr [{a} + {lda} + ", $a, "]\n",
+            "vfmadd231ps zmm3, zmm28, zmm24\n", "vfmadd231ps zmm4, zmm28, zmm25\n", "vfmadd231ps zmm5, zmm28, zmm26\n",
+            "vbroadcastss zmm29, dword ptr [{a} + {lda}*2 + ", $a, "]\n",
+            "vfmadd231ps zmm6, zmm29, zmm24\n", "vfmadd231ps zmm7, zmm29, zmm25\n", "vfmadd231ps zmm8, zmm29, zmm26\n",
+            "vbroadcastss zmm30, dword ptr [{a3} + ", $a, "]\n",
+            "vfmadd231ps zmm9, zmm30, zmm24\n", "vfmadd231ps zmm10, zmm30, zmm25\n", "vfmadd231ps zmm11, zmm30, zmm26\n",
+            "vbroadcastss zmm31, dword ptr [{a3} + {lda} + ", $a, "]\n",
+            "vfmadd231ps zmm12, zmm31, zmm24\n", "vfmadd231ps zmm13, zmm31, zmm25\n", "vfmadd231ps zmm14, zmm31, zmm26\n",
+            "vbroadcastss zmm27, dword ptr [{a3} + {lda}*2 + ", $a, "]\n",
+            "vfmadd231ps zmm15, zmm27, zmm24\n", "vfmadd231ps zmm16, zmm27, zmm25\n", "vfmadd231ps zmm17, zmm27, zmm26\n",
+            "vbroadcastss zmm28, dword ptr [{a6} + ", $a, "]\n",
+            "vfmadd231ps zmm18, zmm28, zmm24\n", "vfmadd231ps zmm19, zmm28, zmm25\n", "vfmadd231ps zmm20, zmm28, zmm26\n",
+            "vbroadcastss zmm29, dword ptr [{a6} + {lda} + ", $a, "]\n",
+            "vfmadd231ps zmm21, zmm29, zmm24\n", "vfmadd231ps zmm22, zmm29, zmm25\n", "vfmadd231ps zmm23, zmm29, zmm26\n",
         )
     };
 }
