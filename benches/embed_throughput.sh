@@ -63,20 +63,23 @@ RESULTS="$TMP/results"
 measure() {
   local tool="$1" out="$2" cmd
   case "$tool" in
-    ours) cmd=("$EMBED" --file "$CORPUS" --format json --batch-size "$BATCH") ;;
+    ours) cmd=("$EMBED" --file "$CORPUS" --format json --batch-size "$BATCH" --stats) ;;
     *) cmd=("$PY" benches/embed_peers.py --impl "$tool" --file "$CORPUS" --threads "$THREADS"
             --batch-size "$BATCH" "${@:3}") ;;
   esac
   if [[ -x /usr/bin/time ]]; then
-    /usr/bin/time -f "%e %M" -o "$TMP/time" "${cmd[@]}" >"$out"
+    /usr/bin/time -f "%e %M" -o "$TMP/time" "${cmd[@]}" >"$out" 2>"$TMP/stderr" ||
+      { cat "$TMP/stderr" >&2; return 1; }
   else
     "$PY" -c 'import resource, subprocess, sys, time
 t = time.perf_counter(); rc = subprocess.call(sys.argv[2:]); t = time.perf_counter() - t
 open(sys.argv[1], "w").write(f"{t:.3f} {resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss}\n")
-sys.exit(rc)' "$TMP/time" "${cmd[@]}" >"$out"
+sys.exit(rc)' "$TMP/time" "${cmd[@]}" >"$out" 2>"$TMP/stderr" ||
+      { cat "$TMP/stderr" >&2; return 1; }
   fi
-  local js="-"
-  [[ "$tool" == ours ]] || js="$(tail -n 1 "$out")"
+  local js
+  # The peers print their JSON last on stdout, ours (--stats) last on stderr.
+  if [[ "$tool" == ours ]]; then js="$(tail -n 1 "$TMP/stderr")"; else js="$(tail -n 1 "$out")"; fi
   echo "$tool $(tail -n 1 "$TMP/time") $js" >>"$RESULTS"
   local wall rss
   read -r wall rss <"$TMP/time"
@@ -144,7 +147,7 @@ for tool, rs in runs.items():
     med = statistics.median(w for w, _, _ in rs)
     rss_med = statistics.median(m for _, m, _ in rs)
     enc = f"{max(j['sentences_per_s'] for _, _, j in rs):.0f}" if js else "—"
-    load = f"{js['load_s'] + js['import_s']:.2f}" if js else "—"
+    load = f"{js['load_s'] + js.get('import_s', 0):.2f}" if js else "—"
     if tool != "ours" and "ours" in best:
         ratio, mem = f"{wall / best['ours'][0]:.2f}x", f"{rss_med / statistics.median(m for _, m, _ in runs['ours']):.2f}x"
     else:
@@ -153,7 +156,7 @@ for tool, rs in runs.items():
           f"| {rss_med:.0f} | {ratio} | {mem} |")
 vers = {}
 for tool, rs in runs.items():
-    if rs[0][2]:
+    if rs[0][2] and "versions" in rs[0][2]:
         vers.update(rs[0][2]["versions"])
 print(f"\n{n} sentences, batch {batch}, {threads} threads, {len(next(iter(runs.values())))} round(s); "
       f"sentences/s and 'ours is Nx' from each tool's fastest whole-process wall time (ratio = peer's "
@@ -171,13 +174,46 @@ try:
     lens = [len(e.ids) for e in tok.encode_batch(lines)]
     flops = sum(layers * (2 * t * (4 * d * d + 2 * d * inter) + 4 * t * t * d) for t in lens)
     line = f"encoder FLOPs on the real tokens: {flops / 1e9:.0f} GFLOP ({sum(lens)} tokens)"
+    fma = peak.get("fma_peak_gflops")
+    pct = lambda r: f" = {100 * r / fma:.0f}% of the FMA peak" if fma else ""
     if "ours" in best:
         rate = flops / best["ours"][0] / 1e9
-        line += f"; ours {rate:.0f} GFLOP/s over the whole process"
-        if "fma_peak_gflops" in peak:
-            line += (f" = {100 * rate / peak['fma_peak_gflops']:.0f}% of the FMA peak "
-                     f"({peak['fma_peak_gflops']:.0f} GFLOP/s, {peak['isa']}, {peak['threads']} threads)")
+        line += f"; ours {rate:.0f} GFLOP/s over the whole process{pct(rate)}"
+        inproc = [j["embed_s"] for _, _, j in runs["ours"] if j and "embed_s" in j]
+        if inproc:
+            rate = flops / min(inproc) / 1e9
+            line += f", {rate:.0f} GFLOP/s over its embedding time (tokenize, encode, pool){pct(rate)}"
+    if fma:
+        line += f"; FMA peak {fma:.0f} GFLOP/s ({peak['isa']}, {peak['threads']} threads, measured after the rounds)"
     print(line)
 except ImportError:
+    pass
+# The practical limit of the products: the vendor BLAS (torch.matmul: MKL on x86-64 wheels)
+# at the encoder's four product shapes, a batch's mean rows, THREADS threads, weighted by
+# their FLOPs per layer (QKV 3, output 1, feed-forward 4 + 4).
+try:
+    import time, torch
+    torch.set_num_threads(int(threads))
+    rows = round(sum(lens) / max(1, -(-len(lens) // int(batch))))
+    shapes = [(rows, d, 3 * d), (rows, d, d), (rows, d, inter), (rows, inter, d)]
+    total_flops = total_s = 0.0
+    for m, k, n in shapes:
+        a, b = torch.randn(m, k), torch.randn(k, n)
+        c = torch.empty(m, n)
+        reps = max(1, int(2e9 / (2 * m * k * n)))
+        for _ in range(reps):
+            torch.matmul(a, b, out=c)
+        times = []
+        for _ in range(5):
+            t = time.perf_counter()
+            for _ in range(reps):
+                torch.matmul(a, b, out=c)
+            times.append((time.perf_counter() - t) / reps)
+        total_flops += 2 * m * k * n
+        total_s += min(times)
+    rate = total_flops / total_s / 1e9
+    print(f"vendor BLAS (torch {torch.__version__} matmul, {threads} threads) on the encoder's products "
+          f"({rows} rows: {', '.join(f'{k}x{n}' for _, k, n in shapes)}): {rate:.0f} GFLOP/s{pct(rate)}")
+except (ImportError, NameError):  # no torch, or no token counts (tokenizers missing)
     pass
 EOF

@@ -65,6 +65,11 @@ struct Args {
     /// Sentences per forward pass (sorted by length into batches).
     #[arg(long, default_value_t = Embedder::DEFAULT_BATCH_SIZE)]
     batch_size: usize,
+    /// Print the run's times as one JSON object on stderr at the end (`sentences`,
+    /// `load_s`, `embed_s`: tokenizing + encoding + pooling, no output, `total_s`,
+    /// `sentences_per_s` over `embed_s`).
+    #[arg(long)]
+    stats: bool,
 }
 
 #[derive(Serialize)]
@@ -97,13 +102,16 @@ fn run(args: Args) -> anyhow::Result<()> {
     let mut stdout = std::io::BufWriter::new(std::io::stdout().lock());
     // Text mode compares every pair, so it keeps every row; JSON writes them as they come.
     let mut kept: Vec<(String, Vec<f32>)> = Vec::new();
+    let mut embedding = std::time::Duration::ZERO;
     loop {
         let window = sentences.next_window(args.batch_size * WINDOW_BATCHES)?;
         if window.is_empty() {
             break;
         }
         let texts: Vec<&str> = window.iter().map(String::as_str).collect();
+        let te = Instant::now();
         let rows = embedder.embed(&texts)?;
+        embedding += te.elapsed();
         match args.format {
             Format::Json => {
                 for (text, embedding) in texts.iter().zip(rows) {
@@ -121,7 +129,17 @@ fn run(args: Args) -> anyhow::Result<()> {
         print_similarities(&mut stdout, &kept, &model.files.name)?;
     }
     stdout.flush()?;
-    if args.format == Format::Text {
+    if args.stats {
+        let (n, embed_s) = (sentences.produced(), embedding.as_secs_f64());
+        let stats = serde_json::json!({
+            "sentences": n,
+            "load_s": loaded.as_secs_f64(),
+            "embed_s": embed_s,
+            "total_s": t0.elapsed().as_secs_f64(),
+            "sentences_per_s": if embed_s > 0.0 { n as f64 / embed_s } else { 0.0 },
+        });
+        eprintln!("{stats}");
+    } else if args.format == Format::Text {
         eprintln!(
             "loaded in {:.0} ms, embedded {} sentences in {:.0} ms",
             loaded.as_secs_f64() * 1e3,

@@ -337,3 +337,33 @@ fn text_mode_on_a_corpus_lists_nearest_neighbours() -> anyhow::Result<()> {
     );
     Ok(())
 }
+
+#[test]
+fn stats_go_to_stderr_as_one_json_object() -> anyhow::Result<()> {
+    let out = run(&["--format", "json", "--stats", "one sentence", "and another"])?;
+    ensure!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let stdout = String::from_utf8(out.stdout)?;
+    let rows: Vec<Embedding> = stdout
+        .lines()
+        .map(serde_json::from_str)
+        .collect::<Result<_, _>>()
+        .context("a stdout line is not an embedding object")?;
+    ensure!(rows.len() == 2, "stdout: {stdout}");
+    let stderr = String::from_utf8(out.stderr)?;
+    let last = stderr.lines().last().context("nothing on stderr")?;
+    let stats: serde_json::Value = serde_json::from_str(last).context("stats line")?;
+    ensure!(stats["sentences"] == 2, "{stats}");
+    let secs = |k: &str| stats[k].as_f64().with_context(|| format!("{k} in {stats}"));
+    let (load, embed, total) = (secs("load_s")?, secs("embed_s")?, secs("total_s")?);
+    ensure!(
+        load >= 0.0 && embed > 0.0 && load + embed <= total,
+        "times disagree: {stats}"
+    );
+    let rate = secs("sentences_per_s")?;
+    ensure!((rate - 2.0 / embed).abs() <= 1e-6 * rate, "{stats}");
+    Ok(())
+}

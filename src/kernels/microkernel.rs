@@ -5,7 +5,7 @@
 //! padded past its last column up to a multiple of 16 at least (the kernels read no further).
 //! The full tiles are `8 x 48` and `6 x 64` (24 accumulator registers each, so every weight
 //! load feeds 8 or 6 multiply-adds); the edges (fewer rows, a narrower last panel) use
-//! smaller tiles in intrinsics. The depth is split in equal blocks of up to 256: a block of
+//! smaller tiles in intrinsics. The depth is split in equal blocks of up to 512: a block of
 //! a panel stays in L2 while the row groups go by, and each block loads and stores the
 //! accumulators once.
 
@@ -19,15 +19,16 @@ use std::arch::x86_64::*;
 
 use super::microkernel_avx2;
 
-/// Most depth of one pass over a panel, in equal blocks (256 x 48 or 64 floats = 48 or 64 KiB
-/// of panel, held in L2 while the row groups go by).
+/// Most depth of one pass over a panel, in equal blocks (512 x 48 or 64 floats = 96 or 128
+/// KiB of panel, held in L2 while the row groups go by; the 8 x 48 kernel prefetches it into
+/// L1 a few steps ahead).
 ///
-/// Measured on AMD Zen 4 (AVX-512 on 256-bit units, 32 KiB L1d, 1 MiB L2), 2 threads, builds
-/// alternating, median of the per-round time ratios 256 / 128: MHA seq 32 hidden 384 0.980
-/// (12 rounds, quartiles 0.959-0.986), seq 128 hidden 768 0.954, seq 512 with weights 0.986,
-/// SDPA seq 4096 0.986 (4 rounds each); 192 gave 0.972-0.987 and 384 0.993 at seq 32.
+/// With that prefetch, on the Intel Xeon (AVX-512, 48 KiB L1d, 2 MiB L2) the encoder's
+/// products ran 2-4% faster at 512 than at 256 (384 in between, 768 alike); see
+/// docs/performance.md. Before it, on AMD Zen 4, 256 had measured 1-5% faster than 128 and
+/// 384 (MHA seq 32-512, SDPA seq 4096; not re-measured there with the prefetch).
 #[cfg(target_arch = "x86_64")]
-const KC: usize = 256;
+const KC: usize = 512;
 
 /// What the accumulators start from.
 #[derive(Debug, Clone, Copy)]
@@ -260,12 +261,17 @@ unsafe fn kernel<const R: usize, const C: usize, const W: usize>(
 /// One depth step of the `8 x 48` tile as assembly text: the three weight vectors at bytes
 /// `$b0`, `$b1`, `$b2` of `{b}` (64 apart), each row's value at byte `$a` of its row (rows 0-2
 /// from `{a}`, 3-5 from `{a3}`, 6-7 from `{a6}`, `{lda}` bytes apart) broadcast once into
-/// `zmm27..zmm31` and multiplied into `zmm0..zmm23`.
+/// `zmm27..zmm31` and multiplied into `zmm0..zmm23`. The weights 8 steps ahead are prefetched
+/// into L1 (the panel's depth block is larger than L1 and comes from L2 for every row group;
+/// a prefetch never faults, past the panel's end too).
 #[cfg(target_arch = "x86_64")]
 #[rustfmt::skip]
 macro_rules! step_8x48 {
     ($a:literal, $b0:literal, $b1:literal, $b2:literal) => {
         concat!(
+            "prefetcht0 [{b} + ", $b0, " + 1536]\n",
+            "prefetcht0 [{b} + ", $b1, " + 1536]\n",
+            "prefetcht0 [{b} + ", $b2, " + 1536]\n",
             "vmovups zmm24, [{b} + ", $b0, "]\n",
             "vmovups zmm25, [{b} + ", $b1, "]\n",
             "vmovups zmm26, [{b} + ", $b2, "]\n",
@@ -535,6 +541,7 @@ mod tests {
                 (25, 64),
                 (4, 97),
                 (9, 530),
+                (10, 1031),
             ] {
                 for width in [1, 8, 9, 16, 17, 24, 25, 40, 47, 48] {
                     check::<48>(p48, m, k, width);

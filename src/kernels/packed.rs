@@ -268,12 +268,13 @@ mod tests {
             return Ok(());
         }
         // Sizes that exercise every edge: rows not a multiple of 8, columns not a multiple
-        // of 48 or 16, a split inside a panel, depth over several KC blocks.
+        // of 48 or 16, a split inside a panel, depth over several depth blocks (KC).
         for (m, k, n, split) in [
             (19, 300, 101, 37),
             (8, 5, 48, 48),
             (3, 129, 16, 0),
             (33, 64, 200, 96),
+            (11, 1100, 60, 48),
         ] {
             let x = values(m * k, 1);
             let w = values(k * n, 2);
