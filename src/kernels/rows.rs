@@ -51,6 +51,7 @@ pub(crate) fn softmax_block(
     mut lse: Option<&mut MatMut<'_>>,
 ) -> Result<()> {
     let cols = end - first;
+    let want_lse = lse.is_some();
     let mut put_lse = |r: usize, v: f32| {
         if let Some(row) = lse.as_mut().and_then(|l| l.row_mut(0)) {
             row[r] = v;
@@ -111,7 +112,10 @@ pub(crate) fn softmax_block(
         };
         let row = &mut s[r * ld + off..r * ld + off + cols];
         simd::scale(row, 1.0 / sum);
-        put_lse(r, m + sum.log2());
+        if want_lse {
+            // Only the backward pass reads it (a log per row and head otherwise).
+            put_lse(r, m + sum.log2());
+        }
     }
     // context = P V, (n, dv)
     prods.weighted_values(p, b, h, &s[off..], ld, n, (first, cols), o, false)
