@@ -11,12 +11,17 @@
 # Each cell is its own process, timed from outside with GNU time (`%e %M`): whole-process
 # wall time (interpreter start-up, imports, model load, tokenization, encode, output) and
 # peak RSS. sentences/s = the corpus's sentences / that wall time. The peers' own JSON
-# (benches/embed_peers.py) adds their in-process rate (tokenization + encode, no load).
+# (benches/embed_peers.py) adds their in-process rate (tokenization + encode, no load), ours
+# comes from `embed --stats` (the time inside Embedder::embed).
+#
+# The limits, after the rounds: the FMA peak (`bench --fma-peak`), the encoder's FLOP rate
+# over the whole process and over its in-process time, and the vendor BLAS's rate
+# (torch.matmul, MKL on x86-64 wheels) on the encoder's four products at a batch's mean rows.
 # The tools alternate ROUNDS times (the order rotates each round); each keeps its fastest
 # round (neighbours on a shared VM slow whole runs down), the median is shown beside it.
 #
 # Ours: ${CARGO_TARGET_DIR:-target}/release/examples/embed --file CORPUS --format json
-#   --batch-size 32 > /dev/null, RAYON_NUM_THREADS=THREADS.
+#   --batch-size 32 --stats > /dev/null, RAYON_NUM_THREADS=THREADS.
 # st:   SentenceTransformer(weights/).encode(batch_size=32, normalize_embeddings=True), f32.
 # ort:  ONNX Runtime 1 session on the exported BertModel (BERT-fused graph, cached under
 #       ~/.cache/candle-attention/onnx/), tokenizers + numpy pooling, intra-op THREADS.

@@ -2,12 +2,14 @@
 //!
 //! ```text
 //! embed "s1" "s2" ... [--file F] [--model M] [--format text|json] [--device D] [--dtype T]
+//!       [--batch-size N] [--stats]
 //! ```
 //!
 //! `--format json` prints one `{"text": ..., "embedding": [...]}` object per sentence: 384
 //! floats of unit norm, equal to sentence-transformers' embedding of the golden fixture's
 //! sentences (cosine >= 0.99999). Text mode prints a cosine similarity table. Bad inputs
-//! exit non-zero with one `error: ...` line on stderr.
+//! exit non-zero with one `error: ...` line on stderr. `--stats` adds one JSON object of
+//! times as the last line of stderr; stdout stays the same.
 
 mod common;
 
