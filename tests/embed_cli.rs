@@ -271,6 +271,23 @@ fn missing_or_empty_sentences_are_errors() -> anyhow::Result<()> {
     Ok(())
 }
 
+/// Runs `embed` (expecting success) and parses every stdout line as an embedding object
+/// (only JSON lines on stdout: any progress or timing goes to stderr); returns them and stderr.
+fn json_rows(args: &[&str]) -> anyhow::Result<(Vec<Embedding>, String)> {
+    let out = run(args)?;
+    ensure!(
+        out.status.success(),
+        "embed {args:?}: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let rows = String::from_utf8(out.stdout)?
+        .lines()
+        .map(serde_json::from_str)
+        .collect::<Result<_, _>>()
+        .context("a stdout line is not an embedding object")?;
+    Ok((rows, String::from_utf8(out.stderr)?))
+}
+
 #[test]
 fn a_file_streams_in_input_order_whatever_the_batch_size() -> anyhow::Result<()> {
     let dir = common::TempDir::new("embed-file")?;
@@ -289,19 +306,7 @@ fn a_file_streams_in_input_order_whatever_the_batch_size() -> anyhow::Result<()>
     want.push("last one".to_string());
     let mut first: Option<Vec<Vec<f32>>> = None;
     for batch in ["1", "4", "32"] {
-        let out = run(&["--format", "json", "--batch-size", batch, "--file", path])?;
-        ensure!(
-            out.status.success(),
-            "{}",
-            String::from_utf8_lossy(&out.stderr)
-        );
-        // Only JSON lines on stdout: any progress or timing goes to stderr.
-        let stdout = String::from_utf8(out.stdout)?;
-        let rows: Vec<Embedding> = stdout
-            .lines()
-            .map(serde_json::from_str)
-            .collect::<Result<_, _>>()
-            .context("a stdout line is not an embedding object")?;
+        let (rows, _) = json_rows(&["--format", "json", "--batch-size", batch, "--file", path])?;
         let texts: Vec<&str> = rows.iter().map(|r| r.text.as_str()).collect();
         ensure!(texts == want, "batch {batch}: order {texts:?}");
         let emb: Vec<Vec<f32>> = rows.into_iter().map(|r| r.embedding).collect();
@@ -342,20 +347,9 @@ fn text_mode_on_a_corpus_lists_nearest_neighbours() -> anyhow::Result<()> {
 
 #[test]
 fn stats_go_to_stderr_as_one_json_object() -> anyhow::Result<()> {
-    let out = run(&["--format", "json", "--stats", "one sentence", "and another"])?;
-    ensure!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    let stdout = String::from_utf8(out.stdout)?;
-    let rows: Vec<Embedding> = stdout
-        .lines()
-        .map(serde_json::from_str)
-        .collect::<Result<_, _>>()
-        .context("a stdout line is not an embedding object")?;
-    ensure!(rows.len() == 2, "stdout: {stdout}");
-    let stderr = String::from_utf8(out.stderr)?;
+    let (rows, stderr) =
+        json_rows(&["--format", "json", "--stats", "one sentence", "and another"])?;
+    ensure!(rows.len() == 2, "{} rows", rows.len());
     let last = stderr.lines().last().context("nothing on stderr")?;
     let stats: serde_json::Value = serde_json::from_str(last).context("stats line")?;
     ensure!(stats["sentences"] == 2, "{stats}");
