@@ -167,6 +167,7 @@ print(f"\n{n} sentences, batch {batch}, {threads} threads, {len(next(iter(runs.v
       f"sentences/s and 'ours is Nx' from each tool's fastest whole-process wall time (ratio = peer's "
       f"time / ours, > 1: ours faster); peak RSS is the median of the rounds' ru_maxrss (MiB).")
 print("versions: " + ", ".join(f"{k} {v}" for k, v in vers.items()))
+lens = None  # token counts per sentence, when tokenizers is there
 # The encoder's FLOPs on the real tokens (no padding): per layer 2T(4d^2 + 2 d inter) for the
 # projections and the feed-forward, 4 T^2 d for the attention.
 try:
@@ -198,6 +199,9 @@ except ImportError:
 # their FLOPs per layer (QKV 3, output 1, feed-forward 4 + 4).
 try:
     import time, torch
+except ImportError:
+    torch = None
+if torch is not None and lens is not None:
     torch.set_num_threads(int(threads))
     rows = round(sum(lens) / max(1, -(-len(lens) // int(batch))))
     shapes = [(rows, d, 3 * d), (rows, d, d), (rows, d, inter), (rows, inter, d)]
@@ -219,6 +223,4 @@ try:
     rate = total_flops / total_s / 1e9
     print(f"vendor BLAS (torch {torch.__version__} matmul, {threads} threads) on the encoder's products "
           f"({rows} rows: {', '.join(f'{k}x{n}' for _, k, n in shapes)}): {rate:.0f} GFLOP/s{pct(rate)}")
-except (ImportError, NameError):  # no torch, or no token counts (tokenizers missing)
-    pass
 EOF

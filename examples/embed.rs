@@ -102,7 +102,7 @@ fn run(args: Args) -> anyhow::Result<()> {
     let mut stdout = std::io::BufWriter::new(std::io::stdout().lock());
     // Text mode compares every pair, so it keeps every row; JSON writes them as they come.
     let mut kept: Vec<(String, Vec<f32>)> = Vec::new();
-    let mut embedding = std::time::Duration::ZERO;
+    let mut embed_time = std::time::Duration::ZERO;
     loop {
         let window = sentences.next_window(args.batch_size * WINDOW_BATCHES)?;
         if window.is_empty() {
@@ -111,7 +111,7 @@ fn run(args: Args) -> anyhow::Result<()> {
         let texts: Vec<&str> = window.iter().map(String::as_str).collect();
         let te = Instant::now();
         let rows = embedder.embed(&texts)?;
-        embedding += te.elapsed();
+        embed_time += te.elapsed();
         match args.format {
             Format::Json => {
                 for (text, embedding) in texts.iter().zip(rows) {
@@ -130,7 +130,7 @@ fn run(args: Args) -> anyhow::Result<()> {
     }
     stdout.flush()?;
     if args.stats {
-        let (n, embed_s) = (sentences.produced(), embedding.as_secs_f64());
+        let (n, embed_s) = (sentences.produced(), embed_time.as_secs_f64());
         let stats = serde_json::json!({
             "sentences": n,
             "load_s": loaded.as_secs_f64(),

@@ -591,10 +591,7 @@ mod tests {
     use std::collections::HashMap;
 
     fn values(shape: &[usize], seed: usize) -> Result<Tensor> {
-        let n: usize = shape.iter().product();
-        let v: Vec<f32> = (0..n)
-            .map(|i| (((i * 7919 + seed * 104_729) % 2003) as f32 / 1001.0) - 1.0)
-            .collect();
+        let v = crate::kernels::test_values(shape.iter().product(), seed);
         Ok(Tensor::from_vec(v, shape, &Device::Cpu)?)
     }
 

@@ -140,11 +140,7 @@ pub(crate) fn embed_tokens(
 mod tests {
     use super::*;
 
-    fn values(n: usize, seed: usize) -> Vec<f32> {
-        (0..n)
-            .map(|i| (((i * 7919 + seed * 104_729) % 2003) as f32 / 1001.0) - 1.0)
-            .collect()
-    }
+    use crate::kernels::test_values as values;
 
     /// Every token equals the definition in f64, with the word table in f32, f16 and bf16;
     /// out-of-range ids and sequences are errors.

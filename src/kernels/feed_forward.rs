@@ -201,10 +201,8 @@ mod tests {
     use candle_core::{Device, Module};
 
     fn values(shape: &[usize], seed: usize, scale: f32) -> Result<Tensor> {
-        let n: usize = shape.iter().product();
-        let v: Vec<f32> = (0..n)
-            .map(|i| ((((i * 7919 + seed * 104_729) % 2003) as f32 / 1001.0) - 1.0) * scale)
-            .collect();
+        let v = crate::kernels::test_values(shape.iter().product(), seed);
+        let v: Vec<f32> = v.into_iter().map(|x| x * scale).collect();
         Ok(Tensor::from_vec(v, shape, &Device::Cpu)?)
     }
 

@@ -460,11 +460,7 @@ unsafe fn kernel_6x64(
 mod tests {
     use super::*;
 
-    fn values(n: usize, seed: usize) -> Vec<f32> {
-        (0..n)
-            .map(|i| (((i * 7919 + seed * 104_729) % 2003) as f32 / 1001.0) - 1.0)
-            .collect()
-    }
+    use crate::kernels::test_values as values;
 
     /// A `panel_product` implementation.
     type Product =

@@ -126,6 +126,14 @@ pub(crate) fn run(
     }
 }
 
+/// Deterministic test values in `[-1, 1)`, distinct enough per `seed` (tests only).
+#[cfg(test)]
+pub(crate) fn test_values(n: usize, seed: usize) -> Vec<f32> {
+    (0..n)
+        .map(|i| (((i * 7919 + seed * 104_729) % 2003) as f32 / 1001.0) - 1.0)
+        .collect()
+}
+
 #[cfg(test)]
 mod tests {
     //! Every product implementation (micro-kernels on panels packed up front or per task,

@@ -256,11 +256,7 @@ pub(crate) fn linear_then(
 mod tests {
     use super::*;
 
-    fn values(n: usize, seed: usize) -> Vec<f32> {
-        (0..n)
-            .map(|i| (((i * 7919 + seed * 104_729) % 2003) as f32 / 1001.0) - 1.0)
-            .collect()
-    }
+    use crate::kernels::test_values as values;
 
     #[test]
     fn packed_linear_equals_a_plain_product() -> Result<()> {
