@@ -108,62 +108,47 @@
 //! ```
 #![warn(missing_docs)]
 
-mod batching;
-mod bert;
-mod checkpoint;
-mod config;
-mod cost;
+mod attention;
 mod device;
-pub mod dispatch;
-mod embedder;
 mod error;
-mod flash;
-mod grad_pool;
 mod kernels;
-mod kv_cache;
-mod layer_op;
-mod layout;
-mod llama;
-mod mask;
 mod memory;
-mod model;
-mod multi_head;
-mod output;
-mod rope;
-mod sdpa;
-mod sdpa_op;
-mod single_head;
-mod softmax;
-mod stored_weight;
+mod models;
 mod text;
 pub mod viz;
+mod weights;
 
-pub use batching::{into_length_sorted_batches, length_sorted_batches, padding_tokens};
-pub use bert::{l2_normalize, mean_pool, Activation, BertEncoder, BertLayer, EncoderOutput};
-pub use checkpoint::Checkpoint;
-pub use config::{AttentionConfig, HfConfig};
-pub use cost::{self_attention_cost, AttentionCost};
-pub use device::{parse_dtype, select_device};
-pub use embedder::Embedder;
-pub use error::{Error, Result};
-pub use kernels::WeightsBlock;
-pub use kv_cache::KvCache;
-pub use layout::{LinearWeights, Projections, WeightLayout};
-pub use llama::{argmax_ids, LlamaConfig, LlamaModel};
-pub use mask::{AttentionMask, MaskPart};
-pub use memory::{attention_weights_bytes, available_memory_bytes, retain_freed_memory};
-pub use model::{default_model_dir, Model, ModelFiles, ModelResolver, DEFAULT_MODEL_NAME};
-pub use multi_head::MultiHeadSelfAttention;
-pub use output::AttentionOutput;
-pub use rope::{RopeConfig, RopeLayout, RopeScaling, RotaryEmbedding};
-pub use sdpa::{
+pub use attention::cost::{self_attention_cost, AttentionCost};
+pub use attention::dispatch;
+pub use attention::mask::{AttentionMask, MaskPart};
+pub use attention::multi_head::MultiHeadSelfAttention;
+pub use attention::output::AttentionOutput;
+pub use attention::path::AttentionPath;
+pub use attention::sdpa::{
     scaled_dot_product_attention, scaled_dot_product_attention_explicit,
-    scaled_dot_product_attention_on, scaled_dot_product_attention_streamed, AttentionPath,
-    SdpaOptions,
+    scaled_dot_product_attention_on, scaled_dot_product_attention_streamed, SdpaOptions,
 };
-pub use single_head::SingleHeadSelfAttention;
-pub use softmax::masked_softmax;
+pub use attention::single_head::SingleHeadSelfAttention;
+pub use attention::softmax::masked_softmax;
+pub use device::{parse_dtype, select_device};
+pub use error::{Error, Result};
+pub use kernels::attend::WeightsBlock;
+pub use memory::{attention_weights_bytes, available_memory_bytes, retain_freed_memory};
+pub use models::batching::{into_length_sorted_batches, length_sorted_batches, padding_tokens};
+pub use models::bert::{
+    l2_normalize, mean_pool, Activation, BertEncoder, BertLayer, EncoderOutput,
+};
+pub use models::embedder::Embedder;
+pub use models::kv_cache::KvCache;
+pub use models::llama::{argmax_ids, LlamaConfig, LlamaModel};
+pub use models::resolver::{
+    default_model_dir, Model, ModelFiles, ModelResolver, DEFAULT_MODEL_NAME,
+};
+pub use models::rope::{RopeConfig, RopeLayout, RopeScaling, RotaryEmbedding};
 pub use text::{EncodedBatch, EncodedText, TextEncoder};
+pub use weights::checkpoint::Checkpoint;
+pub use weights::config::{AttentionConfig, HfConfig};
+pub use weights::layout::{LinearWeights, Projections, WeightLayout};
 
 /// The README's code examples, compiled and run as doctests.
 #[cfg(doctest)]

@@ -7,7 +7,7 @@
 //! see the test). The code is branch-free, so the compiler vectorises it in the AVX-512 and
 //! AVX2 + FMA builds picked at run time.
 
-use super::simd::{self, isa, Isa};
+use crate::kernels::simd::{self, isa, Isa};
 
 /// The coefficients of `P(t)` (Numerical Recipes, `erfcc`), constant term first.
 // The published 8-digit values, rounded to f32 by the compiler.

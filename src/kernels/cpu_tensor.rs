@@ -3,9 +3,8 @@
 use candle_core::backend::BackendStorage;
 use candle_core::{CpuStorage, Layout, Storage, StorageRef, Tensor};
 
-use super::matrix::MatRef;
-use super::problem::Operand;
 use crate::error::{Error, Result};
+use crate::kernels::gemm::matrix::MatRef;
 
 /// A read lock on a CPU f32 tensor's storage, with the tensor's layout.
 pub(crate) struct CpuF32<'a> {
@@ -58,26 +57,6 @@ impl<'a> CpuF32<'a> {
 
     pub fn layout(&self) -> &Layout {
         self.layout
-    }
-
-    /// A rank-4 `(batch, heads, seq, width)` tensor as a kernel operand; the last dimension
-    /// must be contiguous.
-    pub fn operand(&self) -> Result<Operand<'_>> {
-        let stride = self.layout.stride();
-        let dims = self.layout.dims();
-        if stride.len() != 4 || (stride[3] != 1 && dims[3] > 1) {
-            return Err(Error::Kernel(format!(
-                "`{}` must be rank 4 with a contiguous last dimension, found dims {dims:?} strides {stride:?}",
-                self.name
-            )));
-        }
-        Ok(Operand {
-            data: self.slice()?,
-            offset: self.layout.start_offset(),
-            sb: stride[0],
-            sh: stride[1],
-            sr: stride[2],
-        })
     }
 
     /// A rank-2 tensor as a matrix view.

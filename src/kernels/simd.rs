@@ -2,7 +2,7 @@
 //!
 //! The kernels run the softmax in base 2: the scores come out of the product already
 //! multiplied by `log2(e)` (folded into the query scale, see
-//! [`Problem::score_scale`](super::problem::Problem::score_scale)), so
+//! [`Problem::score_scale`](crate::kernels::attend::problem::Problem::score_scale)), so
 //! `exp(s - max) = 2^(s log2(e) - max')` needs no range reduction by `ln 2`. Every version
 //! (scalar, AVX2 + FMA, AVX-512) computes `2^x` as `2^n 2^r` with `n = round(x)`, `r = x - n`
 //! exact and the same degree-5 fit for `2^r` (~1.5 ulp), and flushes inputs below -125 to

@@ -1,0 +1,38 @@
+//! CPU kernels on f32 slices, grouped by kind (as ggml-cpu groups its kernels). Nothing here
+//! knows the crate's layers, masks or checkpoints: callers above pass plain descriptions
+//! (sizes, strides, a [`attend::mask_plan::MaskPlan`], a [`gemm::WeightRef`]).
+//!
+//! - [`gemm`]: matrix products: the AVX-512 and AVX2 + FMA micro-kernels, weights packed
+//!   once at load time, matrix views over slices, the `gemm` crate path;
+//! - [`attend`]: attention on those products: the tiled online-softmax kernel (memory linear
+//!   in the sequence, no weights), row blocks (weights returned or streamed), the tile
+//!   products, the mask as applied per tile, and the whole fused self-attention layer;
+//! - [`decode`]: one token at a time: matrix-vector products reading f16 / bf16 as stored,
+//!   one query row against a cache, and keeping the pool's threads awake between steps;
+//! - [`train`]: the FlashAttention-2-style backward and the trainable layer's forward and
+//!   backward on shared buffers;
+//! - [`encoder`]: BERT's element-wise parts: embeddings, the fused feed-forward, LayerNorm;
+//! - [`simd`], [`activation`]: vectorised `exp`, reductions and GELU, picked at run time by
+//!   instruction set; [`cpu_tensor`]: f32 views of candle's CPU tensors; [`scratch`]:
+//!   per-thread scratch and training buffers.
+//!
+//! Dependencies inside run one way, each group reading only those before it: `simd`,
+//! `activation`, `scratch`; `gemm`; `cpu_tensor`; `decode`, `encoder`; `attend`; `train`.
+
+pub(crate) mod activation;
+pub(crate) mod attend;
+pub(crate) mod cpu_tensor;
+pub(crate) mod decode;
+pub(crate) mod encoder;
+pub(crate) mod gemm;
+pub(crate) mod scratch;
+pub(crate) mod simd;
+pub(crate) mod train;
+
+/// Deterministic test values in `[-1, 1)`, distinct enough per `seed` (tests only).
+#[cfg(test)]
+pub(crate) fn test_values(n: usize, seed: usize) -> Vec<f32> {
+    (0..n)
+        .map(|i| (((i * 7919 + seed * 104_729) % 2003) as f32 / 1001.0) - 1.0)
+        .collect()
+}

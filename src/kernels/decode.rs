@@ -1,0 +1,10 @@
+//! One token at a time: matrix-vector products that read f16 / bf16 weights as stored
+//! (widened in registers), one query row per head against a key/value cache, and a pool
+//! kept awake between the small parallel steps of a decode.
+
+pub(crate) mod f16_kernels;
+pub(crate) mod gemv;
+pub(crate) mod gemv_avx512;
+pub(crate) mod keep_warm;
+pub(crate) mod one_query;
+pub(crate) mod widen;

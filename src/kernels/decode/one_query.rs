@@ -1,0 +1,197 @@
+//! Attention of one query row per head (a decode step) against half-precision keys and
+//! values read as stored: scores by the matrix-vector kernels, the softmax in f32 (base 2),
+//! the context as the weighted sum of the value rows. The tiled kernels compute on f32
+//! operands, which for an f16 / bf16 cache meant an f32 copy of every layer's cache on
+//! every step (see docs/performance.md).
+
+use candle_core::{CpuStorage, DType, Device, Storage, Tensor};
+use rayon::prelude::*;
+
+use crate::error::{Error, Result};
+use crate::kernels::decode::gemv::{add_rows, dot_rows, Widen};
+use crate::kernels::scratch::with_scratch;
+use crate::kernels::simd::{exp2_shifted_sum, row_max};
+
+/// Where the heads of K or V lie in their storage: head `(b, g)` holds `rows` rows of
+/// `width` values from `offset + b * sb + g * sh`, one after another.
+#[derive(Debug, Clone, Copy)]
+struct Place {
+    offset: usize,
+    sb: usize,
+    sh: usize,
+    rows: usize,
+    width: usize,
+}
+
+impl Place {
+    fn of<T>(self, data: &[T]) -> Rows<'_, T> {
+        Rows { data, place: self }
+    }
+}
+
+/// K or V: a storage and where its heads lie.
+#[derive(Debug, Clone, Copy)]
+struct Rows<'a, T> {
+    data: &'a [T],
+    place: Place,
+}
+
+impl<'a, T> Rows<'a, T> {
+    fn head(&self, b: usize, g: usize) -> Result<&'a [T]> {
+        let p = &self.place;
+        let start = p.offset + b * p.sb + g * p.sh;
+        self.data
+            .get(start..start + p.rows * p.width)
+            .ok_or_else(|| Error::Kernel(format!("head ({b}, {g}) runs past its storage")))
+    }
+}
+
+/// The context `(batch, heads, 1, d_v)` in `v`'s dtype of one query row per head, with no
+/// mask, when K and V are f16 or bf16 CPU tensors whose rows lie one after another in each
+/// head (a [`crate::KvCache`]'s views do); `None` otherwise (the caller runs the tiled
+/// kernels). Shapes were checked by the caller.
+///
+/// # Shapes
+/// - `q`: `(batch, heads, 1, d_k)`, `k`: `(batch, kv_heads, seq_k, d_k)`, `v`: `(batch,
+///   kv_heads, seq_k, d_v)`
+pub(crate) fn attention(q: &Tensor, k: &Tensor, v: &Tensor, scale: f64) -> Result<Option<Tensor>> {
+    let (b, h, sq, dk) = q.dims4()?;
+    let (_, kvh, sk, _) = k.dims4()?;
+    let (_, _, _, dv) = v.dims4()?;
+    let half = matches!(k.dtype(), DType::F16 | DType::BF16);
+    if sq != 1 || sk == 0 || !half || v.dtype() != k.dtype() || !k.device().is_cpu() {
+        return Ok(None);
+    }
+    let qs: Vec<f32> = q.to_dtype(DType::F32)?.flatten_all()?.to_vec1()?; // (b, h, dk)
+    let mut ctx = vec![0f32; b * h * dv];
+    {
+        let (kg, kl) = k.storage_and_layout();
+        let (vg, vl) = v.storage_and_layout();
+        let rows = |l: &candle_core::Layout, width: usize| {
+            let s = l.stride();
+            (s[3] == 1 && s[2] == width).then(|| (l.start_offset(), s[0], s[1]))
+        };
+        let (Some((ko, ksb, ksh)), Some((vo, vsb, vsh))) = (rows(kl, dk), rows(vl, dv)) else {
+            return Ok(None);
+        };
+        let sizes = (h, kvh, sk, dk, dv);
+        let at = |(offset, sb, sh), width| Place {
+            offset,
+            sb,
+            sh,
+            rows: sk,
+            width,
+        };
+        let (kp, vp) = (at((ko, ksb, ksh), dk), at((vo, vsb, vsh), dv));
+        match (&*kg, &*vg) {
+            (Storage::Cpu(CpuStorage::BF16(kd)), Storage::Cpu(CpuStorage::BF16(vd))) => {
+                run(&qs, kp.of(kd), vp.of(vd), sizes, scale, &mut ctx)?
+            }
+            (Storage::Cpu(CpuStorage::F16(kd)), Storage::Cpu(CpuStorage::F16(vd))) => {
+                run(&qs, kp.of(kd), vp.of(vd), sizes, scale, &mut ctx)?
+            }
+            _ => return Ok(None),
+        }
+    }
+    let out = Tensor::from_vec(ctx, (b, h, 1, dv), &Device::Cpu)?.to_dtype(v.dtype())?;
+    Ok(Some(out))
+}
+
+/// One task per query head: `s = scale log2(e) K q`, `p = 2^(s - max s)`, context
+/// `p V / sum p`.
+fn run<T: Widen>(
+    q: &[f32],
+    k: Rows<'_, T>,
+    v: Rows<'_, T>,
+    (h, kvh, sk, dk, dv): (usize, usize, usize, usize, usize),
+    scale: f64,
+    ctx: &mut [f32],
+) -> Result<()> {
+    let group = h / kvh.max(1);
+    let log2_scale = (scale * std::f64::consts::LOG2_E) as f32;
+    crate::kernels::decode::keep_warm::run(|| {
+        ctx.par_chunks_mut(dv).enumerate().try_for_each(|(i, out)| {
+            let (bi, hi) = (i / h, i % h);
+            let g = hi / group.max(1);
+            let (kh, vh) = (k.head(bi, g)?, v.head(bi, g)?);
+            let qr: Vec<f32> = q[i * dk..(i + 1) * dk]
+                .iter()
+                .map(|x| x * log2_scale)
+                .collect();
+            with_scratch(sk, |s| {
+                dot_rows(kh, &qr, s); // (sk,) base-2 scores
+                let m = row_max(s);
+                let sum = exp2_shifted_sum(s, m);
+                out.fill(0.0);
+                add_rows(vh, s, out);
+                let inv = 1.0 / sum;
+                for o in out.iter_mut() {
+                    *o *= inv;
+                }
+                Ok(())
+            })
+        })
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Equals the tiled kernels on the same values in f32 (grouped heads, a batch of two,
+    /// the keys a narrowed view of a larger cache as a sliding window reads them).
+    #[test]
+    fn equals_the_tiled_kernels() -> Result<()> {
+        let dev = Device::Cpu;
+        let (b, h, kvh, cap, sk, dk, dv) = (2, 6, 2, 40, 29, 16, 24);
+        let vals = |n: usize, m: usize| -> Vec<f32> {
+            (0..n)
+                .map(|i| ((i * 37 % m) as f32 - (m / 2) as f32) / 8.0)
+                .collect()
+        };
+        let q = Tensor::from_vec(vals(b * h * dk, 13), (b, h, 1, dk), &dev)?;
+        let kc = Tensor::from_vec(vals(b * kvh * cap * dk, 17), (b, kvh, cap, dk), &dev)?;
+        let vc = Tensor::from_vec(vals(b * kvh * cap * dv, 11), (b, kvh, cap, dv), &dev)?;
+        let (k, v) = (kc.narrow(2, 5, sk)?, vc.narrow(2, 5, sk)?);
+        let scale = 0.3;
+        let (want, _) = crate::kernels::attend::on_tensors::attention(
+            &q,
+            &k,
+            &v,
+            &crate::kernels::attend::mask_plan::MaskPlan::default(),
+            scale,
+            crate::kernels::attend::WeightsMode::Skip,
+        )?;
+        let want: Vec<f32> = want.flatten_all()?.to_vec1()?;
+        for dt in [DType::BF16, DType::F16] {
+            let (qh, kh, vh) = (q.to_dtype(dt)?, k.to_dtype(dt)?, v.to_dtype(dt)?);
+            // `to_dtype` made the views contiguous; narrow a converted cache instead.
+            let (kch, vch) = (kc.to_dtype(dt)?, vc.to_dtype(dt)?);
+            let (kh2, vh2) = (kch.narrow(2, 5, sk)?, vch.narrow(2, 5, sk)?);
+            for (kk, vv) in [(&kh, &vh), (&kh2, &vh2)] {
+                let got = attention(&qh, kk, vv, scale)?
+                    .ok_or_else(|| Error::Kernel("not taken".into()))?;
+                assert_eq!(got.dims(), &[b, h, 1, dv]);
+                let got: Vec<f32> = got.to_dtype(DType::F32)?.flatten_all()?.to_vec1()?;
+                for (g, w) in got.iter().zip(&want) {
+                    // The values are exact in both formats; the context is rounded once.
+                    assert!(
+                        (g - w).abs() <= 8e-3 * (1.0 + w.abs()),
+                        "{dt:?}: {g} vs {w}"
+                    );
+                }
+            }
+        }
+        // f32 operands, several query rows, or a strided key layout go to the tiled kernels.
+        assert!(attention(&q, &k, &v, scale)?.is_none());
+        let kt = kc
+            .to_dtype(DType::BF16)?
+            .transpose(2, 3)?
+            .contiguous()?
+            .transpose(2, 3)?;
+        let qb = q.to_dtype(DType::BF16)?;
+        let vb = vc.to_dtype(DType::BF16)?;
+        assert!(attention(&qb, &kt, &vb, scale)?.is_none());
+        Ok(())
+    }
+}

@@ -1,0 +1,310 @@
+//! `x W + b` with `W` packed once at load time, for the projections of the CPU fast path.
+//!
+//! A general matrix multiply repacks its right-hand side on every call; a layer's weights
+//! never change, so they are packed once into panels of 48 output columns, each stored
+//! `(in, 48)` contiguous and zero padded. The micro-kernels ([`crate::kernels::gemm::microkernel`]) then
+//! compute 8 rows x 48 columns at a time (AVX-512) or 4 rows x 24 columns (AVX2 + FMA),
+//! reading each panel as one contiguous stream, with the bias loaded into the accumulators
+//! (no separate pass). Work is split over `(row block, panel)` tasks on the rayon pool.
+//!
+//! Packing needs AVX-512F or AVX2 + FMA at run time; [`PackedWeight::pack`] returns `None`
+//! elsewhere and callers keep the plain matrix (the `gemm` crate path).
+
+use rayon::prelude::*;
+
+use crate::error::{Error, Result};
+use crate::kernels::activation::gelu_erf_in_place;
+use crate::kernels::gemm::aligned::AlignedFloats;
+use crate::kernels::gemm::matrix::MatRef;
+use crate::kernels::gemm::microkernel::{self, panel_product, Start};
+
+/// Output columns per panel (3 AVX-512 registers, or two 4 x 24 AVX2 tiles).
+const PANEL: usize = 48;
+/// Rows per task: a block of activations stays in L2 while the panels stream by (128
+/// measured faster than 256 and 64, see docs/performance.md).
+const MB: usize = 128;
+
+/// One panel: columns `col..col + width` of the weight.
+#[derive(Debug, Clone, Copy)]
+struct Panel {
+    col: usize,
+    width: usize,
+}
+
+/// A `(k, n)` weight (the `(in, out)` form of a `(out, in)` checkpoint matrix) in panels.
+///
+/// Column ranges given as `splits` at packing time never share a panel, so each range can
+/// be multiplied on its own (cross-attention computes Q from one input and K, V from
+/// another).
+#[derive(Debug, Clone)]
+pub(crate) struct PackedWeight {
+    k: usize,
+    n: usize,
+    panels: Vec<Panel>,
+    /// Panel `p` at `p * k * PANEL`, `(k, PANEL)` row-major, on a cache-line boundary.
+    data: AlignedFloats,
+    /// Column ranges `[start, end)` (from `splits`), each with its first and end panel.
+    segments: Vec<(usize, usize, usize, usize)>,
+}
+
+/// Whether this CPU runs the packed kernels.
+pub(crate) fn available() -> bool {
+    microkernel::available()
+}
+
+impl PackedWeight {
+    /// Packs `w` `(k, n)`; `splits` are column indices (increasing, inside `0..n`) where
+    /// segments start. `None` when the CPU has neither AVX-512 nor AVX2 + FMA.
+    pub fn pack(w: MatRef<'_>, splits: &[usize]) -> Option<Self> {
+        if !available() {
+            return None;
+        }
+        let (k, n) = (w.rows, w.cols);
+        let mut bounds = vec![0];
+        bounds.extend(splits.iter().copied().filter(|&s| s > 0 && s < n));
+        bounds.push(n);
+        let mut panels = Vec::new();
+        let mut segments = Vec::new();
+        for seg in bounds.windows(2) {
+            let first = panels.len();
+            let mut col = seg[0];
+            while col < seg[1] {
+                let width = PANEL.min(seg[1] - col);
+                panels.push(Panel { col, width });
+                col += width;
+            }
+            segments.push((seg[0], seg[1], first, panels.len()));
+        }
+        let mut data = AlignedFloats::zeroed(panels.len() * k * PANEL);
+        for (p, panel) in panels.iter().enumerate() {
+            let dst = &mut data[p * k * PANEL..(p + 1) * k * PANEL];
+            for kk in 0..k {
+                for j in 0..panel.width {
+                    dst[kk * PANEL + j] = w.get(kk, panel.col + j)?;
+                }
+            }
+        }
+        Some(Self {
+            k,
+            n,
+            panels,
+            data,
+            segments,
+        })
+    }
+
+    /// Number of column ranges (one more than the splits inside `0..n`).
+    pub fn segment_count(&self) -> usize {
+        self.segments.len()
+    }
+
+    /// `(k, n)` = `(in, out)`.
+    pub fn dims(&self) -> (usize, usize) {
+        (self.k, self.n)
+    }
+
+    /// The weight back as a `(k, n)` row-major matrix.
+    pub fn unpack(&self) -> Vec<f32> {
+        let mut out = vec![0f32; self.k * self.n];
+        for (p, panel) in self.panels.iter().enumerate() {
+            let src = &self.data[p * self.k * PANEL..(p + 1) * self.k * PANEL];
+            for kk in 0..self.k {
+                out[kk * self.n + panel.col..kk * self.n + panel.col + panel.width]
+                    .copy_from_slice(&src[kk * PANEL..kk * PANEL + panel.width]);
+            }
+        }
+        out
+    }
+
+    /// Columns `[start, end)` of segments `first..end` (as given by the `splits`).
+    pub fn segment_columns(&self, segments: std::ops::Range<usize>) -> Result<(usize, usize)> {
+        let first = self.segments.get(segments.start);
+        let last = segments
+            .end
+            .checked_sub(1)
+            .and_then(|i| self.segments.get(i));
+        match (first, last) {
+            (Some(f), Some(l)) if segments.start < segments.end => Ok((f.0, l.1)),
+            _ => Err(Error::Kernel(format!(
+                "segments {segments:?} of a weight packed in {}",
+                self.segments.len()
+            ))),
+        }
+    }
+}
+
+/// Raw output pointer shared by the tasks (each writes its own rows x panel columns).
+#[derive(Clone, Copy)]
+struct OutPtr(*mut f32);
+// SAFETY: tasks write disjoint elements (distinct (row block, panel) pairs).
+unsafe impl Send for OutPtr {}
+// SAFETY: see above.
+unsafe impl Sync for OutPtr {}
+
+impl OutPtr {
+    fn get(self) -> *mut f32 {
+        self.0
+    }
+}
+
+/// What a task does to its block of outputs right after computing it (still in cache).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Epilogue {
+    /// Nothing: `x W + b`.
+    None,
+    /// The exact GELU: `gelu(x W + b)`.
+    GeluErf,
+}
+
+/// `x W[:, cols] + b` for the columns of `segments`: returns `(m, cols)` row-major.
+///
+/// # Shapes
+/// - `x`: `(m, k)` with contiguous rows (`cs == 1`)
+/// - `bias`: the `(n,)` bias of the whole weight (the segments' part is used)
+/// - returns: `m * cols` values, `cols` = the segments' width
+pub(crate) fn linear(
+    x: MatRef<'_>,
+    w: &PackedWeight,
+    segments: std::ops::Range<usize>,
+    bias: Option<&[f32]>,
+) -> Result<Vec<f32>> {
+    linear_then(x, w, segments, bias, Epilogue::None)
+}
+
+/// [`linear`], then `epilogue` on each task's block of outputs.
+pub(crate) fn linear_then(
+    x: MatRef<'_>,
+    w: &PackedWeight,
+    segments: std::ops::Range<usize>,
+    bias: Option<&[f32]>,
+    epilogue: Epilogue,
+) -> Result<Vec<f32>> {
+    let (c0, c1) = w.segment_columns(segments.clone())?;
+    let (m, cols) = (x.rows, c1 - c0);
+    if x.cols != w.k || (x.cs != 1 && x.cols > 1) {
+        return Err(Error::Kernel(format!(
+            "packed linear of ({m}, {}) (column stride {}) by ({}, {})",
+            x.cols, x.cs, w.k, w.n
+        )));
+    }
+    if let Some(b) = bias {
+        if b.len() != w.n {
+            return Err(Error::Kernel(format!(
+                "bias of {} for {} outputs",
+                b.len(),
+                w.n
+            )));
+        }
+    }
+    let p0 = w.segments[segments.start].2;
+    let p1 = w.segments[segments.end - 1].3;
+    let mut out: Vec<f32> = Vec::with_capacity(m * cols);
+    let ptr = OutPtr(out.as_mut_ptr());
+    let (lda, k) = (x.rs, w.k);
+    let blocks = m.div_ceil(MB).max(1);
+    let tasks = blocks * (p1 - p0);
+    let run = |t: usize| {
+        let (blk, p) = (t / (p1 - p0), p0 + t % (p1 - p0));
+        let r0 = blk * MB;
+        let rows = MB.min(m - r0);
+        let panel = w.panels[p];
+        let col = panel.col - c0;
+        // SAFETY: `x` is a bounds-checked (m, k) view with contiguous rows; the panel
+        // holds k x PANEL floats; the task writes rows r0..r0+rows, columns
+        // col..col+width of the (m, cols) output, which no other task touches, and
+        // every element of the output is written by exactly one task (the panels tile
+        // the columns, the blocks tile the rows) before `set_len`.
+        unsafe {
+            panel_product::<PANEL>(
+                rows,
+                k,
+                x.ptr().add(r0 * lda),
+                lda,
+                w.data.as_ptr().add(p * k * PANEL),
+                panel.width,
+                ptr.get().add(r0 * cols + col),
+                cols,
+                match bias {
+                    Some(b) => Start::Bias(b.as_ptr().add(panel.col)),
+                    None => Start::Zero,
+                },
+            )
+        }
+        if epilogue == Epilogue::GeluErf {
+            for r in r0..r0 + rows {
+                // SAFETY: the same block of the output this task just wrote, and only it.
+                let block = unsafe {
+                    std::slice::from_raw_parts_mut(ptr.get().add(r * cols + col), panel.width)
+                };
+                gelu_erf_in_place(block);
+            }
+        }
+    };
+    if m > 0 && cols > 0 {
+        if tasks == 1 || rayon::current_num_threads() == 1 || m * k * cols < 1 << 18 {
+            (0..tasks).for_each(run);
+        } else {
+            (0..tasks).into_par_iter().with_max_len(1).for_each(run);
+        }
+    }
+    // SAFETY: every one of the m * cols elements was written above.
+    unsafe { out.set_len(m * cols) };
+    Ok(out)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    use crate::kernels::test_values as values;
+
+    #[test]
+    fn packed_linear_equals_a_plain_product() -> Result<()> {
+        if !available() {
+            return Ok(());
+        }
+        // Sizes that exercise every edge: rows not a multiple of 8, columns not a multiple
+        // of 48 or 16, a split inside a panel, depth over several depth blocks (KC).
+        for (m, k, n, split) in [
+            (19, 300, 101, 37),
+            (8, 5, 48, 48),
+            (3, 129, 16, 0),
+            (33, 64, 200, 96),
+            (11, 1100, 60, 48),
+        ] {
+            let x = values(m * k, 1);
+            let w = values(k * n, 2);
+            let bias = values(n, 3);
+            let packed = PackedWeight::pack(MatRef::row_major(&w, k, n)?, &[split])
+                .ok_or_else(|| Error::Kernel("no micro-kernel on this CPU".into()))?;
+            assert_eq!(packed.unpack(), w);
+            let xm = MatRef::row_major(&x, m, k)?;
+            let nseg = if split == 0 || split == n { 1 } else { 2 };
+            let all = linear(xm, &packed, 0..nseg, Some(&bias))?;
+            for i in 0..m {
+                for j in 0..n {
+                    let expected: f32 =
+                        bias[j] + (0..k).map(|t| x[i * k + t] * w[t * n + j]).sum::<f32>();
+                    let got = all[i * n + j];
+                    assert!(
+                        (got - expected).abs() <= 1e-4,
+                        "({i}, {j}): {got} vs {expected}"
+                    );
+                }
+            }
+            if nseg == 2 {
+                let tail = linear(xm, &packed, 1..2, None)?;
+                let nt = n - split;
+                for i in 0..m {
+                    for j in 0..nt {
+                        let expected: f32 = (0..k)
+                            .map(|t| x[i * k + t] * w[t * n + split + j])
+                            .sum::<f32>();
+                        assert!((tail[i * nt + j] - expected).abs() <= 1e-4);
+                    }
+                }
+            }
+        }
+        Ok(())
+    }
+}

@@ -1,0 +1,12 @@
+//! Assemblies of the crate's attention with candle-nn: the BERT encoder ([`bert`]) and its
+//! sentence embeddings ([`embedder`], [`batching`]), the LLaMA-family decoder ([`llama`])
+//! with rotary embeddings ([`rope`]) and its cache ([`kv_cache`]), and where a model's
+//! files come from ([`resolver`]: a directory or the Hugging Face hub).
+
+pub(crate) mod batching;
+pub(crate) mod bert;
+pub(crate) mod embedder;
+pub(crate) mod kv_cache;
+pub(crate) mod llama;
+pub(crate) mod resolver;
+pub(crate) mod rope;

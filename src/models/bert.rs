@@ -1,0 +1,672 @@
+//! A BERT-family encoder assembled from this crate's [`MultiHeadSelfAttention`] and
+//! candle-nn parts: embeddings (word + position + token type, LayerNorm), then per layer
+//! attention, residual + LayerNorm, feed-forward, residual + LayerNorm.
+
+use candle_core::{CpuStorage, DType, Device, Storage, Tensor};
+use candle_nn::{Embedding, LayerNorm, Module, VarBuilder};
+
+use crate::attention::mask::AttentionMask;
+use crate::attention::multi_head::MultiHeadSelfAttention;
+use crate::attention::projections::linear;
+use crate::error::{Error, Result};
+use crate::kernels::cpu_tensor::CpuF32;
+use crate::kernels::encoder::embedding::{embed_tokens, EmbeddingTables, WordTable};
+use crate::kernels::encoder::feed_forward::{FeedForwardTensors, PackedFeedForward};
+use crate::weights::checkpoint::Checkpoint;
+use crate::weights::config::{AttentionConfig, HfConfig};
+use crate::weights::layout::WeightLayout;
+
+/// The feed-forward activations BERT-family configs name.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Activation {
+    /// `gelu`: the exact, erf-based GELU.
+    Gelu,
+    /// `gelu_new`, `gelu_pytorch_tanh`, `gelu_fast`: the tanh approximation.
+    GeluTanh,
+    /// `relu`
+    Relu,
+    /// `silu` / `swish`
+    Silu,
+}
+
+impl Activation {
+    /// Parses a config's `hidden_act`.
+    pub fn from_name(name: &str) -> Result<Self> {
+        match name {
+            "gelu" => Ok(Self::Gelu),
+            "gelu_new" | "gelu_pytorch_tanh" | "gelu_fast" => Ok(Self::GeluTanh),
+            "relu" => Ok(Self::Relu),
+            "silu" | "swish" => Ok(Self::Silu),
+            other => Err(Error::config(format!("unsupported hidden_act `{other}`"))),
+        }
+    }
+
+    fn apply(&self, xs: &Tensor) -> Result<Tensor> {
+        Ok(match self {
+            Self::Gelu => xs.gelu_erf()?,
+            Self::GeluTanh => xs.gelu()?,
+            Self::Relu => xs.relu()?,
+            Self::Silu => xs.silu()?,
+        })
+    }
+}
+
+/// `LayerNorm` loaded from `weight`/`bias` (or the old `gamma`/`beta`).
+fn layer_norm(vb: VarBuilder, size: usize, eps: f64) -> Result<LayerNorm> {
+    let (w, b) = if vb.contains_tensor("weight") || !vb.contains_tensor("gamma") {
+        (vb.get(size, "weight")?, vb.get(size, "bias")?)
+    } else {
+        (vb.get(size, "gamma")?, vb.get(size, "beta")?)
+    };
+    Ok(LayerNorm::new(w, b, eps))
+}
+
+/// A dense layer `(out, in)` with bias, checked against the expected sizes.
+struct Dense {
+    weight: Tensor,
+    bias: Tensor,
+}
+
+impl Dense {
+    fn load(vb: VarBuilder, in_dim: usize, out_dim: usize) -> Result<Self> {
+        Ok(Self {
+            weight: vb.get((out_dim, in_dim), "weight")?,
+            bias: vb.get(out_dim, "bias")?,
+        })
+    }
+
+    /// # Shapes
+    /// - `x`: `(batch, seq, in)`; returns `(batch, seq, out)`
+    fn forward(&self, x: &Tensor) -> Result<Tensor> {
+        let (b, t, d) = x.dims3()?;
+        let out = self.weight.dim(0)?;
+        Ok(
+            linear(&x.reshape((b * t, d))?, &self.weight, Some(&self.bias))?
+                .reshape((b, t, out))?,
+        )
+    }
+}
+
+/// Word + position + token type embeddings, then LayerNorm.
+struct BertEmbeddings {
+    /// Kept in the checkpoint's half dtype when the model runs in f32: rows are widened
+    /// after the lookup (exact), which saves converting the largest table at load time.
+    word: Embedding,
+    position: Embedding,
+    token_type: Embedding,
+    norm: LayerNorm,
+    max_positions: usize,
+}
+
+impl BertEmbeddings {
+    fn load(vb: VarBuilder, cfg: &HfConfig, word_dtype: Option<DType>) -> Result<Self> {
+        let d = cfg.hidden_size;
+        let table = |name: &str, dtype: Option<DType>| -> Result<Embedding> {
+            let vb = vb.pp(name);
+            let w = match dtype {
+                Some(dtype) => vb.get_unchecked_dtype("weight", dtype)?,
+                None => vb.get_unchecked("weight")?,
+            };
+            let (_n, width) = w.dims2().map_err(|_| Error::ShapeMismatch {
+                tensor: format!("{}.weight", vb.prefix()),
+                expected: format!("(rows, {d})"),
+                found: w.dims().to_vec(),
+            })?;
+            if width != d {
+                return Err(Error::ShapeMismatch {
+                    tensor: format!("{}.weight", vb.prefix()),
+                    expected: format!("(rows, {d})"),
+                    found: w.dims().to_vec(),
+                });
+            }
+            Ok(Embedding::new(w, d))
+        };
+        let position = table("position_embeddings", None)?;
+        let max_positions = position.embeddings().dim(0)?;
+        Ok(Self {
+            word: table("word_embeddings", word_dtype)?,
+            position,
+            token_type: table("token_type_embeddings", None)?,
+            norm: layer_norm(vb.pp("LayerNorm"), d, cfg.layer_norm_eps)?,
+            max_positions,
+        })
+    }
+
+    /// # Shapes
+    /// - `input_ids`, `token_type_ids`: `(batch, seq)`; returns `(batch, seq, hidden)`
+    fn forward(&self, input_ids: &Tensor, token_type_ids: &Tensor) -> Result<Tensor> {
+        let (_b, t) = input_ids.dims2()?;
+        if t > self.max_positions {
+            return Err(Error::SequenceTooLong {
+                len: t,
+                max: self.max_positions,
+            });
+        }
+        match self.forward_cpu(input_ids, token_type_ids)? {
+            Some(x) => Ok(x),
+            None => self.forward_candle(input_ids, token_type_ids),
+        }
+    }
+
+    /// [`BertEmbeddings::forward`] in candle's ops (any device, dtype, autograd).
+    fn forward_candle(&self, input_ids: &Tensor, token_type_ids: &Tensor) -> Result<Tensor> {
+        let (_b, t) = input_ids.dims2()?;
+        let positions = Tensor::arange(0u32, t as u32, input_ids.device())?.unsqueeze(0)?; // (1, t)
+        let words = self.word.forward(input_ids)?.to_dtype(self.norm_dtype())?; // (b, t, d)
+        let types = self.token_type.forward(token_type_ids)?; // (b, t, d)
+        let pos = self.position.forward(&positions)?; // (1, t, d)
+        let x = (words + types)?.broadcast_add(&pos)?;
+        Ok(self.norm.forward(&x)?)
+    }
+}
+
+impl BertEmbeddings {
+    /// [`BertEmbeddings::forward`] in one pass per token on the CPU kernels; `None` unless
+    /// every table is on the CPU, f32 (the words also f16 or bf16), and tracks no gradient.
+    fn forward_cpu(&self, input_ids: &Tensor, token_type_ids: &Tensor) -> Result<Option<Tensor>> {
+        let Some(beta) = self.norm.bias() else {
+            return Ok(None);
+        };
+        let word = self.word.embeddings();
+        let f32_tables = [
+            self.token_type.embeddings(),
+            self.position.embeddings(),
+            self.norm.weight(),
+            beta,
+        ];
+        let eligible = input_ids.device().is_cpu()
+            && word.device().is_cpu()
+            && [DType::F32, DType::F16, DType::BF16].contains(&word.dtype())
+            && !word.track_op()
+            && f32_tables
+                .iter()
+                .all(|w| w.device().is_cpu() && w.dtype() == DType::F32 && !w.track_op());
+        if !eligible {
+            return Ok(None);
+        }
+        let (b, t) = input_ids.dims2()?;
+        if token_type_ids.dims() != input_ids.dims() {
+            return Err(Error::input(
+                "token_type_ids",
+                format!("the shape of input_ids {:?}", input_ids.dims()),
+                format!("{:?}", token_type_ids.dims()),
+            ));
+        }
+        let ids = |x: &Tensor| -> Result<Vec<u32>> {
+            Ok(x.to_dtype(DType::U32)?.flatten_all()?.to_vec1::<u32>()?)
+        };
+        let (ids, types) = (ids(input_ids)?, ids(token_type_ids)?);
+        let (guard, layout) = word.storage_and_layout();
+        let Some((start, end)) = layout.contiguous_offsets() else {
+            return Ok(None);
+        };
+        let word = match &*guard {
+            Storage::Cpu(CpuStorage::F32(v)) => WordTable::F32(&v[start..end]),
+            Storage::Cpu(CpuStorage::F16(v)) => WordTable::F16(&v[start..end]),
+            Storage::Cpu(CpuStorage::BF16(v)) => WordTable::Bf16(&v[start..end]),
+            _ => return Ok(None),
+        };
+        let (ty, pos) = (
+            CpuF32::new(self.token_type.embeddings(), "token_type_embeddings")?,
+            CpuF32::new(self.position.embeddings(), "position_embeddings")?,
+        );
+        let (gamma, beta) = (
+            CpuF32::new(self.norm.weight(), "LayerNorm.weight")?,
+            CpuF32::new(beta, "LayerNorm.bias")?,
+        );
+        let out = embed_tokens(
+            &EmbeddingTables {
+                word,
+                token_type: ty.contiguous()?,
+                position: pos.contiguous()?,
+                gamma: &gamma.vector()?,
+                beta: &beta.vector()?,
+                eps: self.norm.eps() as f32,
+            },
+            &ids,
+            &types,
+            t,
+        )?;
+        let d = out.len() / (b * t).max(1);
+        Ok(Some(Tensor::from_vec(out, (b, t, d), input_ids.device())?))
+    }
+
+    fn norm_dtype(&self) -> DType {
+        self.position.embeddings().dtype()
+    }
+}
+
+/// One transformer layer of a BERT encoder.
+pub struct BertLayer {
+    attention: MultiHeadSelfAttention,
+    attention_norm: LayerNorm,
+    intermediate: Dense,
+    output: Dense,
+    output_norm: LayerNorm,
+    activation: Activation,
+    /// The feed-forward half on the CPU kernels (f32 weights that track no gradients, exact
+    /// GELU); `None` elsewhere.
+    packed: Option<PackedFeedForward>,
+}
+
+impl BertLayer {
+    /// Loads `attention.*`, `intermediate.dense`, `output.dense`, `output.LayerNorm`.
+    pub fn load(vb: VarBuilder, cfg: &HfConfig) -> Result<Self> {
+        let d = cfg.hidden_size;
+        let attn_cfg = AttentionConfig::new(WeightLayout::Bert, cfg.num_attention_heads);
+        let attention = MultiHeadSelfAttention::load(vb.pp("attention"), &attn_cfg)?;
+        if attention.hidden_size() != d {
+            return Err(Error::ShapeMismatch {
+                tensor: format!("{}.attention.self.query.weight", vb.prefix()),
+                expected: format!("(_, {d}) for hidden_size {d}"),
+                found: vec![
+                    attention.num_heads() * attention.head_dim(),
+                    attention.hidden_size(),
+                ],
+            });
+        }
+        let inter = match cfg.intermediate_size {
+            Some(i) => i,
+            None => vb
+                .pp("intermediate")
+                .pp("dense")
+                .get_unchecked("weight")?
+                .dim(0)?,
+        };
+        let attention_norm = layer_norm(
+            vb.pp("attention").pp("output").pp("LayerNorm"),
+            d,
+            cfg.layer_norm_eps,
+        )?;
+        let intermediate = Dense::load(vb.pp("intermediate").pp("dense"), d, inter)?;
+        let output = Dense::load(vb.pp("output").pp("dense"), inter, d)?;
+        let output_norm = layer_norm(vb.pp("output").pp("LayerNorm"), d, cfg.layer_norm_eps)?;
+        let activation = Activation::from_name(&cfg.hidden_act)?;
+        let packed = match activation {
+            Activation::Gelu => PackedFeedForward::pack(FeedForwardTensors {
+                attention_norm: &attention_norm,
+                intermediate_weight: &intermediate.weight,
+                intermediate_bias: &intermediate.bias,
+                output_weight: &output.weight,
+                output_bias: &output.bias,
+                output_norm: &output_norm,
+            })?,
+            _ => None,
+        };
+        Ok(Self {
+            attention,
+            attention_norm,
+            intermediate,
+            output,
+            output_norm,
+            activation,
+            packed,
+        })
+    }
+
+    /// The layer's attention module.
+    pub fn attention(&self) -> &MultiHeadSelfAttention {
+        &self.attention
+    }
+
+    /// # Shapes
+    /// - `x`: `(batch, seq, hidden)`; returns `(batch, seq, hidden)` and, when asked,
+    ///   the weights `(batch, heads, seq, seq)`
+    pub fn forward(
+        &self,
+        x: &Tensor,
+        mask: Option<&AttentionMask>,
+        need_weights: bool,
+    ) -> Result<(Tensor, Option<Tensor>)> {
+        self.forward_rows(x, mask, need_weights, None)
+    }
+
+    /// [`BertLayer::forward`]; `real_rows` (indices into the `batch * seq` rows) lets the
+    /// CPU kernels skip the feed-forward on padding rows, whose outputs nothing reads.
+    fn forward_rows(
+        &self,
+        x: &Tensor,
+        mask: Option<&AttentionMask>,
+        need_weights: bool,
+        real_rows: Option<&[usize]>,
+    ) -> Result<(Tensor, Option<Tensor>)> {
+        let attn = self.attention.attend(x, None, mask, need_weights)?;
+        if let Some(packed) = &self.packed {
+            if let Some(out) = packed.forward(&attn.context, x, real_rows)? {
+                return Ok((out, attn.weights));
+            }
+        }
+        let h = self.attention_norm.forward(&(attn.context + x)?)?;
+        let ff = self.activation.apply(&self.intermediate.forward(&h)?)?;
+        let out = self
+            .output_norm
+            .forward(&(self.output.forward(&ff)? + h)?)?;
+        Ok((out, attn.weights))
+    }
+}
+
+/// What [`BertEncoder::forward`] returns.
+#[derive(Debug, Clone)]
+pub struct EncoderOutput {
+    /// `(batch, seq, hidden)`: the last layer's hidden states.
+    pub hidden_states: Tensor,
+    /// One `(batch, heads, seq, seq)` f32 tensor per layer, when asked for.
+    pub attentions: Option<Vec<Tensor>>,
+}
+
+/// A BERT-family encoder (BERT, MiniLM, all-MiniLM-L6-v2, bert-base-uncased, ...).
+pub struct BertEncoder {
+    embeddings: BertEmbeddings,
+    layers: Vec<BertLayer>,
+    config: HfConfig,
+    dtype: DType,
+}
+
+impl BertEncoder {
+    /// Loads the encoder from a checkpoint root; tensors may sit under `bert.` (as in
+    /// `BertForPreTraining` checkpoints) or at the top level (as in `BertModel`).
+    pub fn load(vb: VarBuilder, cfg: &HfConfig) -> Result<Self> {
+        Self::load_inner(vb, cfg, None)
+    }
+
+    /// Loads the encoder from a [`Checkpoint`] in `dtype` on `device`. Same result as
+    /// [`BertEncoder::load`], but when the checkpoint stores half precision and the model
+    /// runs in f32 the word-embedding table stays in half precision (rows are widened
+    /// exactly after the lookup): the largest tensor is not converted at load time.
+    pub fn load_checkpoint(
+        ckpt: &Checkpoint,
+        dtype: DType,
+        device: &Device,
+        cfg: &HfConfig,
+    ) -> Result<Self> {
+        let vb = ckpt.var_builder(dtype, device);
+        let word_dtype = [
+            "embeddings.word_embeddings.weight",
+            "bert.embeddings.word_embeddings.weight",
+        ]
+        .into_iter()
+        .find_map(|n| ckpt.stored_dtype(n))
+        .filter(|d| dtype == DType::F32 && matches!(d, DType::F16 | DType::BF16));
+        Self::load_inner(vb, cfg, word_dtype)
+    }
+
+    fn load_inner(vb: VarBuilder, cfg: &HfConfig, word_dtype: Option<DType>) -> Result<Self> {
+        cfg.validate()?;
+        if cfg.position_embedding_type != "absolute" {
+            return Err(Error::config(format!(
+                "position_embedding_type `{}` is not supported (only `absolute`)",
+                cfg.position_embedding_type
+            )));
+        }
+        let vb = if !vb.contains_tensor("embeddings.word_embeddings.weight")
+            && vb.contains_tensor("bert.embeddings.word_embeddings.weight")
+        {
+            vb.pp("bert")
+        } else {
+            vb
+        };
+        let dtype = vb.dtype();
+        let embeddings = BertEmbeddings::load(vb.pp("embeddings"), cfg, word_dtype)?;
+        let layers = (0..cfg.num_hidden_layers)
+            .map(|i| BertLayer::load(vb.pp(format!("encoder.layer.{i}")), cfg))
+            .collect::<Result<Vec<_>>>()?;
+        Ok(Self {
+            embeddings,
+            layers,
+            config: cfg.clone(),
+            dtype,
+        })
+    }
+
+    /// The model config.
+    pub fn config(&self) -> &HfConfig {
+        &self.config
+    }
+
+    /// The layers.
+    pub fn layers(&self) -> &[BertLayer] {
+        &self.layers
+    }
+
+    /// Number of positions the model has.
+    pub fn max_positions(&self) -> usize {
+        self.embeddings.max_positions
+    }
+
+    /// Dtype of the weights.
+    pub fn dtype(&self) -> DType {
+        self.dtype
+    }
+
+    /// Runs the encoder.
+    ///
+    /// # Shapes
+    /// - `input_ids`: `(batch, seq)` integer
+    /// - `token_type_ids`: `(batch, seq)`, zeros when `None`
+    /// - `attention_mask`: `(batch, seq)` 0/1, 1 = real token
+    /// - returns: hidden states `(batch, seq, hidden)`, attentions per layer
+    ///   `(batch, heads, seq, seq)` when `output_attentions`
+    ///
+    /// The rows of padding positions (0 in `attention_mask`) carry no meaning (their keys
+    /// are masked, pooling leaves them out); on the CPU in f32 they skip the feed-forward,
+    /// so they differ from transformers' (as with text-embeddings-inference's packed rows).
+    /// The real tokens' rows do not depend on the padding.
+    pub fn forward(
+        &self,
+        input_ids: &Tensor,
+        token_type_ids: Option<&Tensor>,
+        attention_mask: Option<&Tensor>,
+        output_attentions: bool,
+    ) -> Result<EncoderOutput> {
+        let (b, t) = input_ids.dims2().map_err(|_| {
+            Error::input(
+                "input_ids",
+                "rank 2 (batch, seq)",
+                format!("shape {:?}", input_ids.dims()),
+            )
+        })?;
+        if b == 0 || t == 0 {
+            return Err(Error::input(
+                "input_ids",
+                "at least one token",
+                format!("shape {:?}", input_ids.dims()),
+            ));
+        }
+        let zeros;
+        let token_type_ids = match token_type_ids {
+            Some(t) => t,
+            None => {
+                zeros = input_ids.zeros_like()?;
+                &zeros
+            }
+        };
+        let mask = match attention_mask {
+            Some(m) => Some(AttentionMask::padding(m)?),
+            None => None,
+        };
+        // The real tokens' rows, for the CPU kernels to skip padding (None: no padding).
+        let real_rows: Option<Vec<usize>> = match attention_mask {
+            Some(m) if m.device().is_cpu() => {
+                let keep: Vec<u8> = m.ne(0u32)?.flatten_all()?.to_vec1()?;
+                let real: Vec<usize> = (0..keep.len()).filter(|&i| keep[i] != 0).collect();
+                (real.len() < keep.len()).then_some(real)
+            }
+            _ => None,
+        };
+        let mut x = self.embeddings.forward(input_ids, token_type_ids)?;
+        let mut attentions = output_attentions.then(Vec::new);
+        for layer in &self.layers {
+            let (next, w) =
+                layer.forward_rows(&x, mask.as_ref(), output_attentions, real_rows.as_deref())?;
+            x = next;
+            if let (Some(all), Some(w)) = (attentions.as_mut(), w) {
+                all.push(w);
+            }
+        }
+        Ok(EncoderOutput {
+            hidden_states: x,
+            attentions,
+        })
+    }
+}
+
+/// Mean of the hidden states over real tokens (sentence-transformers' mean pooling).
+///
+/// # Shapes
+/// - `hidden`: `(batch, seq, hidden)`, `attention_mask`: `(batch, seq)` 0/1
+/// - returns: `(batch, hidden)` f32
+pub fn mean_pool(hidden: &Tensor, attention_mask: &Tensor) -> Result<Tensor> {
+    let h = hidden.to_dtype(DType::F32)?;
+    let m = attention_mask.to_dtype(DType::F32)?.unsqueeze(2)?; // (b, t, 1)
+    let sum = h.broadcast_mul(&m)?.sum(1)?; // (b, hidden)
+    let count = m.sum(1)?.clamp(1e-9f32, f32::INFINITY)?; // (b, 1)
+    Ok(sum.broadcast_div(&count)?)
+}
+
+/// [`l2_normalize`]`(`[`mean_pool`]`(hidden, attention_mask))` as rows, in one pass over
+/// `hidden` on the CPU; `None` unless `hidden` is f32 on the CPU and tracks no gradient.
+///
+/// # Shapes
+/// - `hidden`: `(batch, seq, hidden)`, `attention_mask`: `(batch, seq)`; returns `batch`
+///   rows of `hidden` values
+pub(crate) fn mean_pool_unit_rows(
+    hidden: &Tensor,
+    attention_mask: &Tensor,
+) -> Result<Option<Vec<Vec<f32>>>> {
+    if !hidden.device().is_cpu() || hidden.dtype() != DType::F32 || hidden.track_op() {
+        return Ok(None);
+    }
+    let (b, t, d) = hidden.dims3()?;
+    if attention_mask.dims() != [b, t] {
+        return Err(Error::input(
+            "attention_mask",
+            format!("({b}, {t}) for hidden states {:?}", hidden.dims()),
+            format!("{:?}", attention_mask.dims()),
+        ));
+    }
+    let mask = attention_mask
+        .to_dtype(DType::F32)?
+        .flatten_all()?
+        .to_vec1::<f32>()?;
+    let hidden = hidden.contiguous()?;
+    let view = CpuF32::new(&hidden, "hidden_states")?;
+    let h = view.contiguous()?;
+    let rows = (0..b)
+        .map(|i| {
+            let mut sum = vec![0f32; d];
+            let mut count = 0f32;
+            for j in 0..t {
+                let m = mask[i * t + j];
+                count += m;
+                let row = &h[(i * t + j) * d..(i * t + j + 1) * d];
+                for (s, x) in sum.iter_mut().zip(row) {
+                    *s += x * m;
+                }
+            }
+            let count = count.max(1e-9);
+            sum.iter_mut().for_each(|s| *s /= count);
+            let norm = sum.iter().map(|v| v * v).sum::<f32>().sqrt().max(1e-12);
+            sum.iter_mut().for_each(|s| *s /= norm);
+            sum
+        })
+        .collect();
+    Ok(Some(rows))
+}
+
+/// Rows scaled to unit L2 norm.
+///
+/// # Shapes
+/// - `x`: `(batch, dim)`; returns `(batch, dim)`
+pub fn l2_normalize(x: &Tensor) -> Result<Tensor> {
+    let norm = x
+        .sqr()?
+        .sum_keepdim(1)?
+        .sqrt()?
+        .clamp(1e-12f32, f32::INFINITY)?;
+    Ok(x.broadcast_div(&norm)?)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::collections::HashMap;
+
+    fn values(shape: &[usize], seed: usize) -> Result<Tensor> {
+        let v = crate::kernels::test_values(shape.iter().product(), seed);
+        Ok(Tensor::from_vec(v, shape, &Device::Cpu)?)
+    }
+
+    /// The one-pass CPU embeddings equal candle's composition; both reject an id past the
+    /// vocabulary.
+    #[test]
+    fn cpu_embeddings_equal_candle_ops() -> Result<()> {
+        let (vocab, d, positions) = (30, 24, 12);
+        let cfg: HfConfig = serde_json::from_str(&format!(
+            r#"{{"hidden_size": {d}, "num_attention_heads": 4, "num_hidden_layers": 1,
+                "vocab_size": {vocab}, "max_position_embeddings": {positions},
+                "layer_norm_eps": 1e-12, "hidden_act": "gelu"}}"#
+        ))
+        .map_err(|e| Error::config(e.to_string()))?;
+        let tensors = HashMap::from([
+            (
+                "word_embeddings.weight".to_string(),
+                values(&[vocab, d], 1)?,
+            ),
+            (
+                "position_embeddings.weight".to_string(),
+                values(&[positions, d], 2)?,
+            ),
+            (
+                "token_type_embeddings.weight".to_string(),
+                values(&[2, d], 3)?,
+            ),
+            ("LayerNorm.weight".to_string(), (values(&[d], 4)? + 1.5)?),
+            ("LayerNorm.bias".to_string(), values(&[d], 5)?),
+        ]);
+        let vb = VarBuilder::from_tensors(tensors, DType::F32, &Device::Cpu);
+        // The word table as stored in f32, and kept in f16 (a half-precision checkpoint).
+        for word_dtype in [None, Some(DType::F16)] {
+            let emb = BertEmbeddings::load(vb.clone(), &cfg, word_dtype)?;
+            let ids = Tensor::new(&[[1u32, 29, 3, 0, 7], [4, 4, 28, 2, 0]], &Device::Cpu)?;
+            let types = Tensor::new(&[[0u32, 0, 1, 1, 0], [1, 0, 0, 0, 1]], &Device::Cpu)?;
+            let fast = emb
+                .forward_cpu(&ids, &types)?
+                .ok_or_else(|| Error::Kernel("the CPU path did not run".into()))?;
+            let slow = emb.forward_candle(&ids, &types)?;
+            assert_eq!(fast.dims(), slow.dims());
+            let diff = (fast - slow)?.abs()?.max_all()?.to_scalar::<f32>()?;
+            assert!(
+                diff < 1e-5,
+                "{word_dtype:?}: CPU path vs candle ops: {diff}"
+            );
+            let bad = Tensor::new(&[[1u32, vocab as u32]], &Device::Cpu)?;
+            let zeros = bad.zeros_like()?;
+            assert!(emb.forward_cpu(&bad, &zeros).is_err());
+            assert!(emb.forward_candle(&bad, &zeros).is_err());
+        }
+        Ok(())
+    }
+
+    /// The pooled rows equal `l2_normalize(mean_pool(..))`, for a mask with a sentence of no
+    /// tokens at all too.
+    #[test]
+    fn pooled_rows_equal_the_tensor_functions() -> Result<()> {
+        let hidden = values(&[3, 5, 16], 7)?;
+        let mask = Tensor::new(
+            &[[1u32, 1, 1, 0, 0], [1, 1, 1, 1, 1], [0, 0, 0, 0, 0]],
+            &Device::Cpu,
+        )?;
+        let rows = mean_pool_unit_rows(&hidden, &mask)?
+            .ok_or_else(|| Error::Kernel("the CPU path did not run".into()))?;
+        let want = l2_normalize(&mean_pool(&hidden, &mask)?)?.to_vec2::<f32>()?;
+        assert_eq!(rows.len(), want.len());
+        for (i, (got, want)) in rows.iter().zip(&want).enumerate() {
+            for (g, w) in got.iter().zip(want) {
+                assert!((g - w).abs() < 1e-6, "row {i}: {g} vs {w}");
+            }
+        }
+        assert!(rows[2].iter().all(|&v| v == 0.0));
+        assert!(mean_pool_unit_rows(&hidden, &mask.narrow(1, 0, 4)?).is_err());
+        Ok(())
+    }
+}

@@ -1,0 +1,486 @@
+//! A LLaMA-family decoder (LLaMA, Mistral, Qwen2) on this crate's attention: token
+//! embeddings, per layer RMSNorm, attention with rotary embeddings and a KV cache, RMSNorm,
+//! SwiGLU MLP, then a final RMSNorm and the language-model head (tied to the embeddings or
+//! separate). Loads `config.json` and `model.safetensors` with the Hugging Face names
+//! (`model.layers.N.self_attn.q_proj.weight`, ...).
+
+use std::path::Path;
+
+use candle_core::{DType, Device, Module, Tensor, D};
+use candle_nn::{Embedding, Linear, RmsNorm, VarBuilder};
+use serde::Deserialize;
+use serde_json::Value;
+
+use crate::attention::mask::AttentionMask;
+use crate::attention::multi_head::MultiHeadSelfAttention;
+use crate::attention::sdpa::{scaled_dot_product_attention, SdpaOptions};
+use crate::error::{Error, Result};
+use crate::kernels::decode::gemv::{one_row_gated, one_row_linear};
+use crate::kernels::decode::widen;
+use crate::models::kv_cache::KvCache;
+use crate::models::rope::{RopeConfig, RopeLayout, RotaryEmbedding};
+use crate::weights::config::{read_config_file, AttentionConfig};
+use crate::weights::layout::WeightLayout;
+
+fn default_rms_eps() -> f64 {
+    1e-6
+}
+fn default_act() -> String {
+    "silu".to_string()
+}
+
+/// The decoder fields of a Hugging Face `config.json` (LLaMA, Mistral, Qwen2 names).
+#[derive(Debug, Clone, Deserialize)]
+pub struct LlamaConfig {
+    /// `llama`, `mistral` or `qwen2`.
+    #[serde(default)]
+    pub model_type: Option<String>,
+    /// Width of the residual stream.
+    pub hidden_size: usize,
+    /// Width of the MLP's gate and up projections.
+    pub intermediate_size: usize,
+    /// Query heads.
+    pub num_attention_heads: usize,
+    /// Grouped K/V heads; absent means `num_attention_heads`.
+    #[serde(default)]
+    pub num_key_value_heads: Option<usize>,
+    /// Decoder layers.
+    pub num_hidden_layers: usize,
+    /// Tokens in the vocabulary (rows of the embedding).
+    pub vocab_size: usize,
+    /// RMSNorm's epsilon (default 1e-6).
+    #[serde(default = "default_rms_eps")]
+    pub rms_norm_eps: f64,
+    /// Features per head where it is not `hidden_size / num_attention_heads`.
+    #[serde(default)]
+    pub head_dim: Option<usize>,
+    /// The output head is the embedding matrix.
+    #[serde(default)]
+    pub tie_word_embeddings: bool,
+    /// Mistral: a query sees its last `sliding_window` keys, itself included.
+    #[serde(default)]
+    pub sliding_window: Option<usize>,
+    /// Qwen2: whether `sliding_window` applies (to the layers from `max_window_layers` on).
+    #[serde(default)]
+    pub use_sliding_window: bool,
+    /// Qwen2: the first layer index the sliding window applies to.
+    #[serde(default)]
+    pub max_window_layers: Option<usize>,
+    /// Longest context the model was trained for.
+    #[serde(default)]
+    pub max_position_embeddings: Option<usize>,
+    /// One id or a list.
+    #[serde(default)]
+    pub eos_token_id: Option<Value>,
+    /// Beginning-of-sequence id(s), as the config holds them.
+    #[serde(default)]
+    pub bos_token_id: Option<Value>,
+    /// The MLP's activation (`silu`).
+    #[serde(default = "default_act")]
+    pub hidden_act: String,
+    /// The rotary configuration (from `rope_theta` / `rope_scaling` / `rope_parameters`,
+    /// `head_dim`, `partial_rotary_factor`).
+    #[serde(skip_deserializing, default = "RopeConfig::placeholder")]
+    pub rope: RopeConfig,
+}
+
+impl LlamaConfig {
+    /// Reads and checks a `config.json`.
+    pub fn from_file(path: impl AsRef<Path>) -> Result<Self> {
+        read_config_file(path.as_ref(), Self::from_json)
+    }
+
+    /// Parses and checks the text of a `config.json`.
+    pub fn from_json(text: &str) -> Result<Self> {
+        let raw: Value = serde_json::from_str(text).map_err(|e| Error::config(e.to_string()))?;
+        let mut cfg: Self =
+            serde_json::from_value(raw.clone()).map_err(|e| Error::config(e.to_string()))?;
+        let kind = cfg.model_type.as_deref().unwrap_or("llama");
+        if !matches!(kind, "llama" | "mistral" | "qwen2") {
+            return Err(Error::config(format!(
+                "model_type `{kind}` is not a LLaMA-family decoder (llama, mistral, qwen2)"
+            )));
+        }
+        if cfg.hidden_act != "silu" {
+            return Err(Error::config(format!(
+                "hidden_act `{}` is not supported (silu)",
+                cfg.hidden_act
+            )));
+        }
+        for (name, v) in [
+            ("hidden_size", cfg.hidden_size),
+            ("num_attention_heads", cfg.num_attention_heads),
+            ("num_hidden_layers", cfg.num_hidden_layers),
+            ("vocab_size", cfg.vocab_size),
+            ("intermediate_size", cfg.intermediate_size),
+        ] {
+            if v == 0 {
+                return Err(Error::config(format!("`{name}` must be at least 1")));
+            }
+        }
+        cfg.rope = RopeConfig::from_hf_json(&raw, RopeLayout::Half)?;
+        Ok(cfg)
+    }
+
+    /// The end-of-sequence ids.
+    pub fn eos_ids(&self) -> Vec<u32> {
+        match &self.eos_token_id {
+            Some(Value::Number(n)) => n.as_u64().map(|x| vec![x as u32]).unwrap_or_default(),
+            Some(Value::Array(a)) => a
+                .iter()
+                .filter_map(Value::as_u64)
+                .map(|x| x as u32)
+                .collect(),
+            _ => Vec::new(),
+        }
+    }
+
+    /// The sliding window of layer `i`, if it has one.
+    pub fn window_of(&self, i: usize) -> Option<usize> {
+        match self.model_type.as_deref() {
+            Some("qwen2") => {
+                let from = self.max_window_layers.unwrap_or(0);
+                (self.use_sliding_window && i >= from)
+                    .then_some(self.sliding_window)
+                    .flatten()
+            }
+            Some("mistral") => self.sliding_window,
+            _ => None,
+        }
+    }
+}
+
+impl RopeConfig {
+    /// Stands in until `LlamaConfig::from_json` fills the real one.
+    fn placeholder() -> Self {
+        Self {
+            theta: 10_000.0,
+            head_dim: 2,
+            rotary_dim: 2,
+            scaling: crate::models::rope::RopeScaling::Default,
+            layout: RopeLayout::Half,
+        }
+    }
+}
+
+/// `x W^T + b`; for one input row on the CPU (a decode step) a matrix-vector product split
+/// over the threads (f32, or f16 / bf16 widened to f32), which reads the weight faster than
+/// a one-row matrix multiply.
+#[derive(Debug, Clone)]
+struct DenseLinear(Linear);
+
+impl DenseLinear {
+    /// # Shapes
+    /// - `x`: `(..., in)`; returns `(..., out)`
+    fn forward(&self, x: &Tensor) -> Result<Tensor> {
+        let (w, b) = (self.0.weight(), self.0.bias());
+        if let Some(y) = one_row_linear(x, w, b, true)? {
+            return Ok(y);
+        }
+        if x.dtype() != w.dtype() {
+            // f32 activations, half-precision weights (the CPU computes in f32): the weight
+            // widened once for all the rows.
+            let b = b.map(|b| b.to_dtype(x.dtype())).transpose()?;
+            return Ok(Linear::new(widen::to_f32(w)?, b).forward(x)?);
+        }
+        Ok(self.0.forward(x)?)
+    }
+}
+
+/// `down(silu(gate(x)) * up(x))`.
+#[derive(Debug, Clone)]
+struct Mlp {
+    gate: DenseLinear,
+    up: DenseLinear,
+    down: DenseLinear,
+}
+
+impl Mlp {
+    fn load(vb: VarBuilder, cfg: &LlamaConfig) -> Result<Self> {
+        let (d, i) = (cfg.hidden_size, cfg.intermediate_size);
+        let lin = |vb: VarBuilder, inp, out| -> Result<DenseLinear> {
+            let w = vb.get((out, inp), "weight")?;
+            let b = if vb.contains_tensor("bias") {
+                Some(vb.get(out, "bias")?)
+            } else {
+                None
+            };
+            Ok(DenseLinear(Linear::new(w, b)))
+        };
+        Ok(Self {
+            gate: lin(vb.pp("gate_proj"), d, i)?,
+            up: lin(vb.pp("up_proj"), d, i)?,
+            down: lin(vb.pp("down_proj"), i, d)?,
+        })
+    }
+
+    fn forward(&self, x: &Tensor) -> Result<Tensor> {
+        // A decode step: both halves in one pass over the threads.
+        let (gate, up) = (&self.gate.0, &self.up.0);
+        if let Some(h) = one_row_gated(x, (gate.weight(), gate.bias()), (up.weight(), up.bias()))? {
+            return self.down.forward(&h);
+        }
+        let g = candle_nn::ops::silu(&self.gate.forward(x)?)?;
+        self.down.forward(&(g * self.up.forward(x)?)?)
+    }
+}
+
+/// One decoder layer.
+#[derive(Debug, Clone)]
+struct DecoderLayer {
+    input_norm: RmsNorm,
+    attn: MultiHeadSelfAttention,
+    post_norm: RmsNorm,
+    mlp: Mlp,
+    window: Option<usize>,
+}
+
+impl DecoderLayer {
+    /// `x` `(batch, seq, hidden)` at positions `cache.len()..`; the cache grows by `seq`.
+    /// With `need_weights`, also the attention weights `(batch, heads, seq, keys)`.
+    fn forward(
+        &self,
+        x: &Tensor,
+        rope: &RotaryEmbedding,
+        cache: &mut KvCache,
+        need_weights: bool,
+    ) -> Result<(Tensor, Option<Tensor>)> {
+        let (_, t, _) = x.dims3()?;
+        let offset = cache.len();
+        // The attention runs in its weights' dtype; the rest of the layer in `x`'s.
+        let h = self.input_norm.forward(x)?.to_dtype(self.attn.dtype())?;
+        let (q, k, v) = self.attn.project_qkv(&h)?;
+        let q = rope.apply(&q, offset)?; // (b, h, t, hd)
+        let k = rope.apply(&k, offset)?; // (b, kvh, t, hd)
+        let (k_all, v_all) = cache.append(&k, &v)?; // (b, kvh, offset + t, hd)
+        let total = offset + t;
+        let (k_all, v_all, mask) = match self.window {
+            // One query: only its last `window` keys, no mask needed.
+            Some(w) if t == 1 && total > w => (
+                k_all.narrow(2, total - w, w)?,
+                v_all.narrow(2, total - w, w)?,
+                None,
+            ),
+            Some(w) if total > w => {
+                let keep: Vec<u8> = (0..t)
+                    .flat_map(|i| {
+                        (0..total).map(move |j| u8::from(j <= offset + i && j + w > offset + i))
+                    })
+                    .collect();
+                let keep = Tensor::from_vec(keep, (t, total), x.device())?;
+                (k_all, v_all, Some(AttentionMask::keep(&keep)?))
+            }
+            _ if t == 1 => (k_all, v_all, None),
+            _ => (
+                k_all,
+                v_all,
+                Some(AttentionMask::causal_with_offset(offset)),
+            ),
+        };
+        let opts = SdpaOptions {
+            scale: None,
+            need_weights,
+        };
+        let out = scaled_dot_product_attention(&q, &k_all, &v_all, mask.as_ref(), opts)?;
+        let attn = self.attn.merge_heads(&out.context)?.to_dtype(x.dtype())?; // context (b, h, t, vhd)
+        let x = (x + attn)?;
+        let m = self.mlp.forward(&self.post_norm.forward(&x)?)?;
+        Ok(((x + m)?, out.weights))
+    }
+}
+
+/// A LLaMA-family causal language model.
+///
+/// With f16 / bf16 weights on the CPU the weights and the KV cache stay in the half format
+/// (half the bytes read per token) while the hidden states, norms and MLP activations are
+/// f32; on other devices everything runs in the weights' dtype.
+#[derive(Debug, Clone)]
+pub struct LlamaModel {
+    cfg: LlamaConfig,
+    /// The dtype of the hidden states: f32 on the CPU, the weights' elsewhere.
+    compute: DType,
+    embed: Embedding,
+    layers: Vec<DecoderLayer>,
+    norm: RmsNorm,
+    /// `(vocab, hidden)`: the embedding matrix when tied.
+    lm_head: DenseLinear,
+    rope: RotaryEmbedding,
+}
+
+impl LlamaModel {
+    /// Loads the model under `vb` (the checkpoint's root: `model.embed_tokens.weight`, ...).
+    pub fn load(vb: VarBuilder, cfg: &LlamaConfig) -> Result<Self> {
+        let d = cfg.hidden_size;
+        // On the CPU the hidden states, norms and MLP activations are f32 whatever the
+        // weights' dtype (the kernels widen half-precision weights as they read them).
+        let compute = if vb.device().is_cpu() {
+            DType::F32
+        } else {
+            vb.dtype()
+        };
+        let rms = |vb: VarBuilder| -> Result<RmsNorm> {
+            // Ones for a fresh variable, as `candle_nn::rms_norm` makes it.
+            let w = vb
+                .get_with_hints(d, "weight", candle_nn::Init::Const(1.0))?
+                .to_dtype(compute)?;
+            Ok(RmsNorm::new(w, cfg.rms_norm_eps))
+        };
+        let m = vb.pp("model");
+        let embed_w = m.pp("embed_tokens").get((cfg.vocab_size, d), "weight")?;
+        let embed = Embedding::new(embed_w.clone(), d);
+        let heads = cfg.num_attention_heads;
+        let kv_heads = cfg.num_key_value_heads.unwrap_or(heads);
+        let mut layers = Vec::with_capacity(cfg.num_hidden_layers);
+        for i in 0..cfg.num_hidden_layers {
+            let l = m.pp(format!("layers.{i}"));
+            // Sizes stated: every projection is read with its full shape.
+            let acfg = AttentionConfig::new(WeightLayout::Llama, heads)
+                .with_kv_heads(kv_heads)
+                .with_causal(true)
+                .with_hidden_size(d)
+                .with_head_dim(cfg.rope.head_dim);
+            layers.push(DecoderLayer {
+                input_norm: rms(l.pp("input_layernorm"))?,
+                attn: MultiHeadSelfAttention::load(l.pp("self_attn"), &acfg)?,
+                post_norm: rms(l.pp("post_attention_layernorm"))?,
+                mlp: Mlp::load(l.pp("mlp"), cfg)?,
+                window: cfg.window_of(i),
+            });
+            let head_dim = layers[i].attn.head_dim();
+            if head_dim != cfg.rope.head_dim {
+                return Err(Error::config(format!(
+                    "layer {i}: the projections give heads of {head_dim} features, the config {}",
+                    cfg.rope.head_dim
+                )));
+            }
+        }
+        let norm = rms(m.pp("norm"))?;
+        let lm_head = DenseLinear(
+            if cfg.tie_word_embeddings && !vb.contains_tensor("lm_head.weight") {
+                Linear::new(embed_w, None)
+            } else {
+                Linear::new(vb.pp("lm_head").get((cfg.vocab_size, d), "weight")?, None)
+            },
+        );
+        let positions = cfg.max_position_embeddings.unwrap_or(2048).min(1 << 16);
+        let rope = RotaryEmbedding::new(cfg.rope.clone(), positions, vb.device())?;
+        Ok(Self {
+            cfg: cfg.clone(),
+            compute,
+            embed,
+            layers,
+            norm,
+            lm_head,
+            rope,
+        })
+    }
+
+    /// Loads `config.json` and `model.safetensors` (or the shards a
+    /// `model.safetensors.index.json` names) from a directory.
+    pub fn from_dir(dir: impl AsRef<Path>, dtype: DType, device: &Device) -> Result<Self> {
+        let dir = dir.as_ref();
+        let cfg = LlamaConfig::from_file(dir.join("config.json"))?;
+        let ckpt = crate::Checkpoint::open(dir.join("model.safetensors"))?;
+        Self::load(ckpt.var_builder(dtype, device), &cfg)
+    }
+
+    /// The configuration.
+    pub fn config(&self) -> &LlamaConfig {
+        &self.cfg
+    }
+
+    /// One empty cache per layer, with room for `capacity` positions.
+    pub fn new_caches(&self, capacity: usize) -> Vec<KvCache> {
+        (0..self.layers.len())
+            .map(|_| KvCache::new(capacity))
+            .collect()
+    }
+
+    /// The logits of every position of `ids`, which continue what `caches` hold (empty
+    /// caches: a prompt's prefill; one id: a decode step). The caches grow by `seq`.
+    ///
+    /// # Shapes
+    /// - `ids`: `(batch, seq)` u32; returns `(batch, seq, vocab)` f32
+    pub fn forward(&self, ids: &Tensor, caches: &mut [KvCache]) -> Result<Tensor> {
+        let h = self.hidden_states(ids, caches)?;
+        Ok(self.lm_head.forward(&h)?.to_dtype(DType::F32)?)
+    }
+
+    /// The logits of the last position only (what generation needs after a prefill).
+    ///
+    /// # Shapes
+    /// - `ids`: `(batch, seq)`; returns `(batch, vocab)` f32
+    pub fn forward_last(&self, ids: &Tensor, caches: &mut [KvCache]) -> Result<Tensor> {
+        let h = self.hidden_states(ids, caches)?;
+        let (_, t, _) = h.dims3()?;
+        let last = h.narrow(1, t - 1, 1)?.squeeze(1)?; // (b, hidden)
+        Ok(self.lm_head.forward(&last)?.to_dtype(DType::F32)?)
+    }
+
+    fn hidden_states(&self, ids: &Tensor, caches: &mut [KvCache]) -> Result<Tensor> {
+        Ok(self.run_layers(ids, caches, false)?.0)
+    }
+
+    /// Every layer's attention weights over `ids` (a fresh prompt, causal, and within the
+    /// sliding window where the model has one).
+    ///
+    /// # Shapes
+    /// - `ids`: `(batch, seq)`; returns one `(batch, heads, seq, seq)` f32 tensor per layer
+    pub fn attentions(&self, ids: &Tensor) -> Result<Vec<Tensor>> {
+        let (_, t) = ids.dims2()?;
+        let mut caches = self.new_caches(t.max(1));
+        self.run_layers(ids, &mut caches, true)?
+            .1
+            .into_iter()
+            .map(|w| w.ok_or_else(|| Error::Kernel("no attention weights returned".into())))
+            .collect()
+    }
+
+    /// The final norm's output `(batch, seq, hidden)` and, when `weights`, each layer's
+    /// attention weights.
+    fn run_layers(
+        &self,
+        ids: &Tensor,
+        caches: &mut [KvCache],
+        weights: bool,
+    ) -> Result<(Tensor, Vec<Option<Tensor>>)> {
+        if caches.len() != self.layers.len() {
+            return Err(Error::input(
+                "caches",
+                format!("one per layer ({})", self.layers.len()),
+                format!("{}", caches.len()),
+            ));
+        }
+        let (_, t) = ids.dims2()?;
+        if t == 0 {
+            return Err(Error::input(
+                "ids",
+                "at least one token",
+                "an empty sequence",
+            ));
+        }
+        let mut x = self.embed.forward(ids)?.to_dtype(self.compute)?; // (b, t, hidden)
+        let mut all = Vec::with_capacity(if weights { self.layers.len() } else { 0 });
+        for (layer, cache) in self.layers.iter().zip(caches.iter_mut()) {
+            let (next, w) = layer.forward(&x, &self.rope, cache, weights)?;
+            x = next;
+            if weights {
+                all.push(w);
+            }
+        }
+        Ok((self.norm.forward(&x)?, all))
+    }
+
+    /// Number of decoder layers.
+    pub fn num_layers(&self) -> usize {
+        self.layers.len()
+    }
+}
+
+/// The index of the largest logit of each row.
+///
+/// # Shapes
+/// - `logits`: `(batch, vocab)`; returns `batch` ids
+pub fn argmax_ids(logits: &Tensor) -> Result<Vec<u32>> {
+    Ok(logits.argmax(D::Minus1)?.to_vec1::<u32>()?)
+}

@@ -1,0 +1,86 @@
+//! A projection weight stored in the form its device multiplies fastest.
+
+use std::sync::Arc;
+
+use candle_core::{DType, Device, Tensor};
+
+use crate::error::Result;
+use crate::kernels::cpu_tensor::CpuF32;
+use crate::kernels::gemm::packed::{self, PackedWeight};
+use crate::kernels::gemm::WeightRef;
+
+/// The `(in, out)` form of a `(out, in)` checkpoint weight (the matrix `x W^T` multiplies
+/// by), stored as:
+/// - packed panels on a CPU with AVX-512 or AVX2 + FMA in f32 (the fused path's micro-kernels
+///   stream them without repacking on every call; the explicit path unpacks them);
+/// - a contiguous `(in, out)` tensor on other CPUs (the matrix multiply reads it without
+///   repacking), or the transposed view of the `(out, in)` tensor on other devices.
+///
+/// Only one copy is kept, so memory does not grow.
+#[derive(Debug, Clone)]
+pub(crate) enum StoredWeight {
+    Tensor(Tensor),
+    Packed(Arc<PackedWeight>),
+}
+
+impl StoredWeight {
+    /// Stores `weight` `(out, in)`; `splits` are output indices where independently usable
+    /// column ranges start (Q | K, V of a fused projection).
+    pub fn new(weight: &Tensor, splits: &[usize]) -> Result<Self> {
+        let t = weight.t()?; // (in, out)
+        if !weight.device().is_cpu() {
+            return Ok(Self::Tensor(t));
+        }
+        if weight.dtype() == DType::F32 && packed::available() {
+            let view = CpuF32::new(weight, "weight")?;
+            if let Some(p) = PackedWeight::pack(view.matrix()?.t(), splits) {
+                return Ok(Self::Packed(Arc::new(p)));
+            }
+        }
+        Ok(Self::Tensor(t.contiguous()?))
+    }
+
+    /// The `(in, out)` matrix as a tensor (a copy when packed).
+    pub fn tensor(&self) -> Result<Tensor> {
+        match self {
+            Self::Tensor(t) => Ok(t.clone()),
+            Self::Packed(p) => {
+                let (k, n) = p.dims();
+                Ok(Tensor::from_vec(p.unpack(), (k, n), &Device::Cpu)?) // (in, out)
+            }
+        }
+    }
+
+    /// `(in, out)`.
+    pub fn dims(&self) -> Result<(usize, usize)> {
+        match self {
+            Self::Tensor(t) => Ok(t.dims2()?),
+            Self::Packed(p) => Ok(p.dims()),
+        }
+    }
+
+    pub fn dtype(&self) -> DType {
+        match self {
+            Self::Tensor(t) => t.dtype(),
+            Self::Packed(_) => DType::F32,
+        }
+    }
+
+    pub fn elem_count(&self) -> usize {
+        match self {
+            Self::Tensor(t) => t.elem_count(),
+            Self::Packed(p) => p.dims().0 * p.dims().1,
+        }
+    }
+
+    /// The view the CPU kernels read, when they can (f32 on the CPU).
+    pub fn cpu_f32(&self) -> Option<WeightRef<'_>> {
+        match self {
+            Self::Packed(p) => Some(WeightRef::Packed(p)),
+            Self::Tensor(t) if t.device().is_cpu() && t.dtype() == DType::F32 => {
+                Some(WeightRef::Tensor(t))
+            }
+            Self::Tensor(_) => None,
+        }
+    }
+}
