@@ -4,6 +4,7 @@
 
 use candle_core::{CpuStorage, DType, Device, Storage, Tensor};
 use candle_nn::{Embedding, LayerNorm, Module, VarBuilder};
+use rayon::prelude::*;
 
 use crate::attention::mask::AttentionMask;
 use crate::attention::multi_head::MultiHeadSelfAttention;
@@ -406,10 +407,18 @@ impl BertEncoder {
             vb
         };
         let dtype = vb.dtype();
-        let embeddings = BertEmbeddings::load(vb.pp("embeddings"), cfg, word_dtype)?;
-        let layers = (0..cfg.num_hidden_layers)
-            .map(|i| BertLayer::load(vb.pp(format!("encoder.layer.{i}")), cfg))
-            .collect::<Result<Vec<_>>>()?;
+        // The embeddings and the layers load side by side: each layer converts its tensors
+        // and packs them for the kernels, which is most of a model's load time.
+        let (embeddings, layers) = rayon::join(
+            || BertEmbeddings::load(vb.pp("embeddings"), cfg, word_dtype),
+            || {
+                (0..cfg.num_hidden_layers)
+                    .into_par_iter()
+                    .map(|i| BertLayer::load(vb.pp(format!("encoder.layer.{i}")), cfg))
+                    .collect::<Result<Vec<_>>>()
+            },
+        );
+        let (embeddings, layers) = (embeddings?, layers?);
         Ok(Self {
             embeddings,
             layers,

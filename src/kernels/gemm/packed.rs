@@ -78,9 +78,20 @@ impl PackedWeight {
         let mut data = AlignedFloats::zeroed(panels.len() * k * PANEL);
         for (p, panel) in panels.iter().enumerate() {
             let dst = &mut data[p * k * PANEL..(p + 1) * k * PANEL];
-            for kk in 0..k {
+            // Read along the source's contiguous side (a checkpoint's `(out, in)` rows, seen
+            // through the transposed view, are the panel's columns).
+            if w.rs == 1 {
                 for j in 0..panel.width {
-                    dst[kk * PANEL + j] = w.get(kk, panel.col + j)?;
+                    for kk in 0..k {
+                        dst[kk * PANEL + j] = w.get(kk, panel.col + j)?;
+                    }
+                }
+            } else {
+                for kk in 0..k {
+                    let row = &mut dst[kk * PANEL..kk * PANEL + panel.width];
+                    for (j, d) in row.iter_mut().enumerate() {
+                        *d = w.get(kk, panel.col + j)?;
+                    }
                 }
             }
         }
