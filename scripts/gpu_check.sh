@@ -1,0 +1,126 @@
+#!/usr/bin/env bash
+# One command for a GPU run, on a machine with an NVIDIA GPU and its driver:
+#
+#   scripts/gpu_check.sh            # build, tests on the GPU, the attention benchmark table
+#   SKIP_BENCH=1 scripts/gpu_check.sh
+#   SKIP_FLASH=1 scripts/gpu_check.sh   # do not try `--features flash-attn`
+#   PYTHON=python3 ITERS=50 scripts/gpu_check.sh
+#
+# 1. The CUDA toolkit: `nvcc` on PATH (or under $CUDA_HOME / /usr/local/cuda), else PyPI's
+#    CUDA 13.0 wheels as scripts/check_backends.sh installs them (needs PyPI);
+#    CUDA_COMPUTE_CAP from nvidia-smi unless set.
+# 2. `cargo build --features cuda`, then `--features flash-attn` when it builds (its build
+#    script compiles the kernels with nvcc and clones CUTLASS from GitHub; without network
+#    it fails and the run goes on with `cuda` alone, saying so).
+# 3. tests/devices.rs (golden against the PyTorch fixtures, invariants and gradients on
+#    `cuda`, f32 / f16 / bf16) and the golden tests (tests/golden.rs,
+#    tests/encoder_golden.rs), built with the GPU feature; then the main job on `--device cuda`.
+# 4. The attention alone (`bench --core`) against PyTorch's
+#    `torch.nn.functional.scaled_dot_product_attention` on the same GPU, f16, batch 1,
+#    16 heads of 64, seq 1024 and 4096, plain and causal: one table, ratios torch/ours.
+#    PyTorch with CUDA must be importable by $PYTHON (default python3); without it the
+#    table has our column only.
+#
+# Exit status: non-zero when a build or a test fails (the benchmark never fails the run).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+PY="${PYTHON:-python3}"
+cache="${CANDLE_ATTENTION_CACHE:-$HOME/.cache/candle-attention}"
+export CARGO_TARGET_DIR="${CARGO_TARGET_DIR:-$cache/target-gpu}"
+
+if ! command -v nvidia-smi >/dev/null || ! nvidia-smi -L >/dev/null 2>&1; then
+  echo "gpu_check: no NVIDIA GPU here (nvidia-smi finds none); nothing to run" >&2
+  exit 2
+fi
+echo "== GPU"
+nvidia-smi --query-gpu=name,compute_cap,driver_version,memory.total --format=csv,noheader
+
+# --- the CUDA toolkit -------------------------------------------------------------------
+if ! command -v nvcc >/dev/null; then
+  for d in "${CUDA_HOME:-}" /usr/local/cuda; do
+    if [ -n "$d" ] && [ -x "$d/bin/nvcc" ]; then
+      export PATH="$d/bin:$PATH"
+      break
+    fi
+  done
+fi
+if ! command -v nvcc >/dev/null; then
+  dir="$cache/cuda13"
+  if [ ! -x "$dir/nvidia/cu13/bin/nvcc" ]; then
+    echo "== installing nvcc (CUDA 13.0 wheels from PyPI) into $dir"
+    "$PY" -m pip install --quiet --disable-pip-version-check --no-deps --target "$dir" \
+      nvidia-cuda-nvcc==13.0.88 nvidia-cuda-crt==13.0.88 nvidia-nvvm==13.0.88 \
+      nvidia-cuda-runtime==13.0.96 nvidia-cuda-cccl==13.0.85
+  fi
+  cu="$dir/nvidia/cu13"
+  export PATH="$cu/bin:$PATH" CUDA_ROOT="$cu" CUDA_PATH="$cu" CUDA_TOOLKIT_ROOT_DIR="$cu"
+  export NVCC_APPEND_FLAGS="${NVCC_APPEND_FLAGS:-} -I$cu/include"
+fi
+nvcc --version | tail -2
+if [ -z "${CUDA_COMPUTE_CAP:-}" ]; then
+  CUDA_COMPUTE_CAP="$(nvidia-smi --query-gpu=compute_cap --format=csv,noheader | head -n 1 | tr -d '.')"
+fi
+export CUDA_COMPUTE_CAP
+echo "CUDA_COMPUTE_CAP=$CUDA_COMPUTE_CAP"
+
+# --- builds ------------------------------------------------------------------------------
+feature=cuda
+echo "== cargo build --release --features cuda --examples --tests"
+cargo build --release --features cuda --examples --tests
+if [ "${SKIP_FLASH:-0}" != 1 ]; then
+  echo "== cargo build --release --features flash-attn --examples --tests"
+  if cargo build --release --features flash-attn --examples --tests; then
+    feature=flash-attn
+  else
+    echo "!!! flash-attn did not build (see above); going on with --features cuda"
+  fi
+fi
+echo "== feature used below: $feature"
+
+# --- tests on the GPU ----------------------------------------------------------------------
+status=0
+echo "== cargo test --release --features $feature --test devices --test golden --test encoder_golden"
+cargo test --release --features "$feature" --test devices --test golden --test encoder_golden || status=1
+echo "== the main job on the GPU"
+cargo run --release --features "$feature" --example attention_dump -- --device cuda \
+  "The animal didn't cross the street because it was too tired." || status=1
+
+# --- the attention against PyTorch's SDPA ----------------------------------------------------
+if [ "${SKIP_BENCH:-0}" != 1 ]; then
+  BENCH="$CARGO_TARGET_DIR/release/examples/bench"
+  ITER_ARGS=()
+  if [ -n "${ITERS:-}" ]; then ITER_ARGS=(--iters "$ITERS"); fi
+  have_torch=0
+  if "$PY" -c 'import sys, torch; sys.exit(0 if torch.cuda.is_available() else 1)' 2>/dev/null; then
+    have_torch=1
+  else
+    echo "(PyTorch with CUDA is not importable by $PY: our column only)" >&2
+  fi
+  field() { "$PY" -c "import json, sys; print(json.loads(sys.stdin.read().strip().splitlines()[-1])['$1'])"; }
+  echo
+  echo "attention alone, f16, batch 1, 16 heads x 64, $(nvidia-smi --query-gpu=name --format=csv,noheader | head -n 1), build --features $feature"
+  echo "| seq | mask | ours ms | ours TFLOP/s | torch SDPA ms | torch / ours |"
+  echo "|---|---|---|---|---|---|"
+  for seq in 1024 4096; do
+    for causal in "" --causal; do
+      args=(--batch 1 --seq "$seq" --hidden 1024 --heads 16 --core --dtype f16 --device cuda --json)
+      if [ -n "$causal" ]; then args+=("$causal"); fi
+      args+=("${ITER_ARGS[@]}")
+      ours="$("$BENCH" "${args[@]}" 2>/dev/null || true)"
+      ours_ms="$(echo "$ours" | field median_ms 2>/dev/null || echo error)"
+      ours_tf="$(echo "$ours" | field gflops 2>/dev/null | awk '{printf "%.1f", $1 / 1000}' || echo -)"
+      torch_ms=-
+      ratio=-
+      if [ "$have_torch" = 1 ]; then
+        theirs="$("$PY" benches/compare_pytorch.py "${args[@]}" 2>/dev/null || true)"
+        torch_ms="$(echo "$theirs" | field median_ms 2>/dev/null || echo error)"
+        ratio="$(awk -v a="$torch_ms" -v b="$ours_ms" 'BEGIN { if (a + 0 > 0 && b + 0 > 0) printf "%.2f", a / b; else print "-" }')"
+      fi
+      label=none
+      if [ -n "$causal" ]; then label=causal; fi
+      echo "| $seq | $label | $ours_ms | $ours_tf | $torch_ms | $ratio |"
+    done
+  done
+fi
+exit $status
