@@ -27,15 +27,23 @@ impl AttentionCost {
     }
 }
 
-/// The sizes of a layer, enough to count its cost.
+/// The sizes of a layer's heads.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub(crate) struct LayerDims {
+pub(crate) struct HeadDims {
+    /// Width of the query input.
     pub hidden: usize,
+    /// Width of the key/value input (cross-attention with PyTorch's `kdim`/`vdim`).
     pub kv_hidden: usize,
     pub heads: usize,
     pub kv_heads: usize,
     pub head_dim: usize,
     pub v_head_dim: usize,
+}
+
+/// The sizes of a layer, enough to count its cost.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct LayerDims {
+    pub head: HeadDims,
     /// Output width of `W_O`, `None` without an output projection.
     pub out: Option<usize>,
     /// Biased projections (parameters only).
@@ -55,12 +63,14 @@ pub(crate) fn layer_cost(
     causal: bool,
 ) -> AttentionCost {
     let u = |x: usize| x as u64;
+    let (out, bias) = (dims.out, dims.bias);
+    let dims = &dims.head;
     let q_out = u(dims.heads * dims.head_dim);
     let k_out = u(dims.kv_heads * dims.head_dim);
     let v_out = u(dims.kv_heads * dims.v_head_dim);
     let ctx = u(dims.heads * dims.v_head_dim);
-    let out = dims.out.map(u).unwrap_or(0);
-    let bias = |n: u64| if dims.bias { n } else { 0 };
+    let out = out.map(u).unwrap_or(0);
+    let bias = |n: u64| if bias { n } else { 0 };
     let parameters = q_out * u(dims.hidden)
         + (k_out + v_out) * u(dims.kv_hidden)
         + bias(q_out + k_out + v_out)
@@ -97,12 +107,14 @@ pub fn self_attention_cost(
 ) -> AttentionCost {
     let head_dim = hidden / heads.max(1);
     let dims = LayerDims {
-        hidden,
-        kv_hidden: hidden,
-        heads,
-        kv_heads,
-        head_dim,
-        v_head_dim: head_dim,
+        head: HeadDims {
+            hidden,
+            kv_hidden: hidden,
+            heads,
+            kv_heads,
+            head_dim,
+            v_head_dim: head_dim,
+        },
         out: Some(hidden),
         bias: true,
     };

@@ -101,14 +101,8 @@ impl MultiHeadSelfAttention {
         seq_k: usize,
         causal: bool,
     ) -> Result<AttentionCost> {
-        let d = self.proj.dims;
         let dims = LayerDims {
-            hidden: d.hidden,
-            kv_hidden: d.kv_hidden,
-            heads: d.heads,
-            kv_heads: d.kv_heads,
-            head_dim: d.head_dim,
-            v_head_dim: d.v_head_dim,
+            head: self.proj.dims,
             out: self.proj.out_width()?,
             bias: self.proj.has_bias(),
         };

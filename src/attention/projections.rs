@@ -5,6 +5,7 @@
 
 use candle_core::{DType, Tensor};
 
+use crate::attention::cost::HeadDims;
 use crate::attention::dispatch;
 use crate::error::{Error, Result};
 use crate::kernels::attend::fused_layer;
@@ -43,19 +44,6 @@ pub(crate) struct OutProjection {
     pub weight: Option<Tensor>,
     /// `(out,)`
     pub bias: Option<Tensor>,
-}
-
-/// The sizes of a layer's heads.
-#[derive(Debug, Clone, Copy)]
-pub(crate) struct HeadDims {
-    /// Width of the query input.
-    pub hidden: usize,
-    /// Width of the key/value input (cross-attention with PyTorch's `kdim`/`vdim`).
-    pub kv_hidden: usize,
-    pub heads: usize,
-    pub kv_heads: usize,
-    pub head_dim: usize,
-    pub v_head_dim: usize,
 }
 
 /// The Q/K/V and output projections of a layer, with their head sizes.
