@@ -85,6 +85,28 @@ pub enum Error {
     #[error("invalid head configuration: {0}")]
     Heads(String),
 
+    /// A file that is not a GGUF file this crate can read: bad magic or version, counts,
+    /// offsets or sizes that do not fit the file, unknown value types.
+    #[error("{path} is not a valid GGUF file: {reason}")]
+    InvalidGguf {
+        /// The file.
+        path: PathBuf,
+        /// What is wrong, and where.
+        reason: String,
+    },
+
+    /// A valid GGUF file holding something this crate does not support (an architecture, a
+    /// tensor type).
+    #[error("{path}: {what} is not supported{}", if .supported.is_empty() { String::new() } else { format!(" (supported: {})", .supported) })]
+    UnsupportedGguf {
+        /// The file.
+        path: PathBuf,
+        /// What is unsupported, named as in the file.
+        what: String,
+        /// What would be.
+        supported: String,
+    },
+
     /// A configuration (config.json or builder values) that makes no sense.
     #[error("invalid configuration{}: {message}", .path.as_ref().map(|p| format!(" in {}", p.display())).unwrap_or_default())]
     Config {

@@ -11,6 +11,7 @@
 //!   one query row against a cache, and keeping the pool's threads awake between steps;
 //! - [`train`]: the FlashAttention-2-style backward and the trainable layer's forward and
 //!   backward on shared buffers;
+//! - [`quant`]: ggml's quantized block formats (GGUF files) and their dequantization;
 //! - [`encoder`]: BERT's element-wise parts: embeddings, the fused feed-forward, LayerNorm;
 //! - [`simd`], [`activation`]: vectorised `exp`, reductions and GELU, picked at run time by
 //!   instruction set; [`cpu_tensor`]: f32 views of candle's CPU tensors; [`scratch`]:
@@ -25,6 +26,7 @@ pub(crate) mod cpu_tensor;
 pub(crate) mod decode;
 pub(crate) mod encoder;
 pub(crate) mod gemm;
+pub(crate) mod quant;
 pub(crate) mod scratch;
 pub(crate) mod simd;
 pub(crate) mod train;

@@ -133,6 +133,7 @@ pub use attention::softmax::masked_softmax;
 pub use device::{parse_dtype, select_device};
 pub use error::{Error, Result};
 pub use kernels::attend::WeightsBlock;
+pub use kernels::quant::blocks::QuantType;
 pub use memory::{attention_weights_bytes, available_memory_bytes, retain_freed_memory};
 pub use models::batching::{into_length_sorted_batches, length_sorted_batches, padding_tokens};
 pub use models::bert::{
@@ -148,6 +149,7 @@ pub use models::rope::{RopeConfig, RopeLayout, RopeScaling, RotaryEmbedding};
 pub use text::{EncodedBatch, EncodedText, TextEncoder};
 pub use weights::checkpoint::Checkpoint;
 pub use weights::config::{AttentionConfig, HfConfig};
+pub use weights::gguf::{GgufFile, GgufTensorInfo, GgufValue};
 pub use weights::layout::{LinearWeights, Projections, WeightLayout};
 
 /// The README's code examples, compiled and run as doctests.

@@ -1,0 +1,112 @@
+#!/usr/bin/env python3
+"""GGUF fixtures for tests/gguf.rs, written and dequantized by gguf-py (the package
+transformers reads GGUF files with), never by this crate.
+
+    python3 -m venv .venv-gguf && .venv-gguf/bin/pip install gguf==0.17.1 numpy safetensors
+    .venv-gguf/bin/python scripts/gen_gguf_fixtures.py
+
+Writes tests/fixtures/gguf/:
+- types.gguf: one (2, 512) tensor per type this crate reads (F32, F16, BF16, Q4_0, Q4_1,
+  Q5_0, Q5_1, Q8_0, Q2_K, Q3_K, Q4_K, Q5_K, Q6_K), named after its type. The float types
+  and Q4_0..Q8_0 are random values quantized by gguf-py; the K-quants (which gguf-py does
+  not quantize) are random block bytes with finite scales, so that every bit of a block is
+  exercised. Plus metadata of every value type (`test.*` keys) and a 3-D tensor.
+- types.safetensors: each tensor dequantized to f32 by `gguf.quants.dequantize`, under the
+  same name, in candle's shape (the GGUF dims reversed).
+- metadata.json: the `test.*` metadata as gguf-py reads it back.
+"""
+
+import json
+import os
+import sys
+
+import numpy as np
+
+try:
+    import gguf
+    from gguf import GGMLQuantizationType as T
+    from safetensors.numpy import save_file
+except ImportError as e:  # pragma: no cover
+    sys.exit(f"{e}: pip install gguf==0.17.1 numpy safetensors")
+
+OUT = os.path.join(os.path.dirname(__file__), "..", "tests", "fixtures", "gguf")
+ROWS, COLS = 2, 512
+SEED = 20261125
+
+# gguf-py quantizes these itself.
+QUANTIZED = [T.F32, T.F16, T.BF16, T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1, T.Q8_0]
+# Random blocks: (type, byte offsets of the f16 scales in a block).
+RANDOM_BLOCKS = [
+    (T.Q2_K, [80, 82]),
+    (T.Q3_K, [108]),
+    (T.Q4_K, [0, 2]),
+    (T.Q5_K, [0, 2]),
+    (T.Q6_K, [208]),
+]
+
+
+def main():
+    rng = np.random.default_rng(SEED)
+    os.makedirs(OUT, exist_ok=True)
+    path = os.path.join(OUT, "types.gguf")
+    w = gguf.GGUFWriter(path, arch="llama")
+    w.add_uint8("test.u8", 200)
+    w.add_int8("test.i8", -100)
+    w.add_uint16("test.u16", 60000)
+    w.add_int16("test.i16", -30000)
+    w.add_uint32("test.u32", 4_000_000_000)
+    w.add_int32("test.i32", -2_000_000_000)
+    w.add_uint64("test.u64", 2**60 + 3)
+    w.add_int64("test.i64", -(2**60))
+    w.add_float32("test.f32", 1.5)
+    w.add_float64("test.f64", -2.25e-300)
+    w.add_bool("test.bool", True)
+    w.add_string("test.string", "héllo, GGUF")
+    w.add_array("test.strings", ["a", "", "ünï"])
+    w.add_array("test.ints", [1, -2, 3])
+    expected = {}
+    for ty in QUANTIZED:
+        x = (rng.standard_normal((ROWS, COLS)) * rng.uniform(0.01, 2.0)).astype(np.float32)
+        if ty == T.F32:
+            data, raw_dtype = x, None
+        elif ty == T.F16:
+            data, raw_dtype = x.astype(np.float16), None
+        else:
+            data, raw_dtype = gguf.quants.quantize(x, ty), ty
+        name = ty.name
+        w.add_tensor(name, data, raw_dtype=raw_dtype)
+        expected[name] = gguf.quants.dequantize(gguf.quants.quantize(x, ty), ty).astype(np.float32)
+    for ty, scale_offsets in RANDOM_BLOCKS:
+        block_values, block_bytes = gguf.GGML_QUANT_SIZES[ty]
+        n_blocks = ROWS * COLS // block_values
+        blocks = rng.integers(0, 256, size=(n_blocks, block_bytes), dtype=np.uint8)
+        for off in scale_offsets:
+            scales = rng.uniform(-0.05, 0.05, size=n_blocks).astype(np.float16)
+            blocks[:, off : off + 2] = scales.view(np.uint8).reshape(n_blocks, 2)
+        raw = blocks.reshape(ROWS, COLS // block_values * block_bytes)
+        w.add_tensor(ty.name, raw, raw_dtype=ty)
+        expected[ty.name] = gguf.quants.dequantize(raw, ty).astype(np.float32)
+    cube = rng.standard_normal((2, 3, 32)).astype(np.float32)
+    q = gguf.quants.quantize(cube, T.Q8_0)
+    w.add_tensor("cube", q, raw_dtype=T.Q8_0)
+    expected["cube"] = gguf.quants.dequantize(q, T.Q8_0).astype(np.float32)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    save_file({k: np.ascontiguousarray(v) for k, v in expected.items()}, os.path.join(OUT, "types.safetensors"))
+
+    reader = gguf.GGUFReader(path)
+    meta = {}
+    for field in reader.fields.values():
+        if not field.name.startswith("test."):
+            continue
+        meta[field.name] = field.contents()
+    with open(os.path.join(OUT, "metadata.json"), "w") as f:
+        json.dump(meta, f, indent=1, ensure_ascii=False)
+        f.write("\n")
+    print(f"wrote {path} ({os.path.getsize(path)} bytes), {len(expected)} tensors")
+
+
+if __name__ == "__main__":
+    main()
