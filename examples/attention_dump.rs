@@ -11,7 +11,7 @@
 mod common;
 
 use std::io::{BufWriter, IsTerminal, Write};
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::process::ExitCode;
 use std::time::Instant;
 
@@ -20,8 +20,8 @@ use candle_attention::viz::{
     render_heatmap, render_html_grouped, AttentionDump, DumpSelection, HeatmapStyle,
 };
 use candle_attention::{
-    into_length_sorted_batches, parse_dtype, select_device, Checkpoint, EncodedText, HfConfig,
-    LlamaConfig, LlamaModel, Model, ModelFiles, ModelResolver, TextEncoder, WeightLayout,
+    into_length_sorted_batches, parse_dtype, select_device, Checkpoint, EncodedText, GgufFile,
+    HfConfig, LlamaConfig, LlamaModel, Model, ModelFiles, ModelResolver, TextEncoder, WeightLayout,
 };
 use candle_core::{DType, Device, Tensor};
 use clap::{Parser, ValueEnum};
@@ -53,9 +53,9 @@ struct Args {
     /// Read sentences from a UTF-8 file, one per line (blank lines are skipped).
     #[arg(long)]
     file: Option<PathBuf>,
-    /// Model: a local directory (config.json, tokenizer.json, model.safetensors) or a
-    /// Hugging Face model id (hub cache first, download only when online). Default: the
-    /// shipped all-MiniLM-L6-v2 in weights/.
+    /// Model: a local directory (config.json, tokenizer.json, model.safetensors), a
+    /// LLaMA-family `.gguf` file, or a Hugging Face model id (hub cache first, download only
+    /// when online). Default: the shipped all-MiniLM-L6-v2 in weights/.
     #[arg(long)]
     model: Option<String>,
     /// Output format on stdout.
@@ -111,8 +111,17 @@ fn run(args: Args) -> anyhow::Result<()> {
     }
     let (device, device_name) = select_device(&args.device)?;
     let dtype = parse_dtype(&args.dtype)?;
-    let files = ModelResolver::new().resolve(args.model.as_deref())?;
-    let net = Network::load(files, dtype, &device, args.truncate)?;
+    let gguf = args
+        .model
+        .as_deref()
+        .filter(|m| m.to_ascii_lowercase().ends_with(".gguf"));
+    let net = match gguf {
+        Some(path) => Network::load_gguf(path.as_ref(), dtype, &device, args.truncate)?,
+        None => {
+            let files = ModelResolver::new().resolve(args.model.as_deref())?;
+            Network::load(files, dtype, &device, args.truncate)?
+        }
+    };
     let (name, layers, heads) = net.shape();
     if let Some(l) = args.layer.filter(|&l| l >= layers) {
         bail!("--layer {l} is out of range: the model has layers 0..{layers}");
@@ -334,6 +343,26 @@ impl Network {
             model,
             text,
         })
+    }
+
+    /// A LLaMA-family decoder from one GGUF file (configuration, weights and tokenizer).
+    fn load_gguf(
+        path: &Path,
+        dtype: DType,
+        device: &Device,
+        truncate: bool,
+    ) -> anyhow::Result<Self> {
+        let file = GgufFile::open(path)?;
+        let model = LlamaModel::from_gguf(path, dtype, device)?;
+        let mut text = TextEncoder::from_gguf(&file)?;
+        if let Some(p) = model.config().max_position_embeddings {
+            text = text.with_max_positions(p)?.with_truncation(truncate)?;
+        }
+        let name = path.file_name().map_or_else(
+            || path.display().to_string(),
+            |n| n.to_string_lossy().into_owned(),
+        );
+        Ok(Self::Decoder { name, model, text })
     }
 
     /// Query heads per key/value head (1 for an encoder).

@@ -2,13 +2,15 @@
 //! this crate's attention, with rotary embeddings and a KV cache.
 //!
 //! ```text
-//! cargo run --release --example generate -- --model DIR (--prompt TEXT | --prompt-ids 5,17,42) \
+//! cargo run --release --example generate -- --model DIR|FILE.gguf (--prompt TEXT | --prompt-ids 5,17,42) \
 //!   [--max-new-tokens N] [--ignore-eos] [--format text|json] [--logits OUT.safetensors] \
 //!   [--temperature T --top-p P --seed S] [--device ...] [--dtype ...]
 //! ```
 //!
 //! DIR holds `config.json`, `model.safetensors` and (for `--prompt` and text output)
-//! `tokenizer.json`; `scripts/fetch_smollm2.sh DIR` writes SmolLM2-135M-Instruct there.
+//! `tokenizer.json`; `scripts/fetch_smollm2.sh DIR` writes SmolLM2-135M-Instruct there. A
+//! `.gguf` file (llama, mistral, qwen2) is a model on its own: configuration, weights and
+//! tokenizer (byte-level BPE vocabularies) from the file, no Python needed.
 //! Greedy unless `--temperature` is above 0; stops at the config's `eos_token_id` unless
 //! `--ignore-eos`. `--format text` streams the text and ends with one line of timings;
 //! `--format json` prints `{"prompt_ids", "generated_ids", "text", "prefill_ms",
@@ -22,7 +24,7 @@ use std::process::ExitCode;
 use std::time::Instant;
 
 use anyhow::{bail, Context};
-use candle_attention::{parse_dtype, select_device, LlamaModel};
+use candle_attention::{parse_dtype, select_device, GgufFile, LlamaModel, TextEncoder};
 use candle_core::{DType, Device, IndexOp, Tensor};
 use clap::{Parser, ValueEnum};
 use tokenizers::Tokenizer;
@@ -36,7 +38,7 @@ enum Format {
 #[derive(Parser, Debug)]
 #[command(about = "Generate text with a LLaMA-family decoder on candle-attention")]
 struct Args {
-    /// Directory with config.json, model.safetensors and tokenizer.json.
+    /// Directory with config.json, model.safetensors and tokenizer.json, or a `.gguf` file.
     #[arg(long)]
     model: PathBuf,
     /// The prompt, tokenized as the model's tokenizer does (special tokens added).
@@ -154,24 +156,33 @@ fn run(args: Args) -> anyhow::Result<()> {
     }
     let (device, device_name) = select_device(&args.device)?;
     let dtype = parse_dtype(&args.dtype)?;
-    let tok_path = args.model.join("tokenizer.json");
-    let tokenizer = if tok_path.exists() {
-        Some(
-            Tokenizer::from_file(&tok_path)
-                .map_err(|e| anyhow::anyhow!("{}: {e}", tok_path.display()))?,
-        )
+    let gguf = args
+        .model
+        .extension()
+        .is_some_and(|e| e.eq_ignore_ascii_case("gguf"));
+    // The tokenizer, or why there is none.
+    let (tokenizer, no_tokenizer): (Option<Tokenizer>, String) = if gguf {
+        let file = GgufFile::open(&args.model)?;
+        match TextEncoder::from_gguf(&file) {
+            Ok(t) => (Some(t.tokenizer().clone()), String::new()),
+            Err(e) => (None, format!("a tokenizer ({e})")),
+        }
     } else {
-        None
+        let tok_path = args.model.join("tokenizer.json");
+        if tok_path.exists() {
+            let tok = Tokenizer::from_file(&tok_path)
+                .map_err(|e| anyhow::anyhow!("{}: {e}", tok_path.display()))?;
+            (Some(tok), String::new())
+        } else {
+            (None, tok_path.display().to_string())
+        }
     };
     let prompt_ids: Vec<u32> = match (&args.prompt, &args.prompt_ids) {
         (_, Some(ids)) => ids.clone(),
         (Some(text), None) => {
-            let tok = tokenizer.as_ref().with_context(|| {
-                format!(
-                    "--prompt needs {} (or pass --prompt-ids)",
-                    tok_path.display()
-                )
-            })?;
+            let tok = tokenizer
+                .as_ref()
+                .with_context(|| format!("--prompt needs {no_tokenizer} (or pass --prompt-ids)"))?;
             tok.encode(text.as_str(), true)
                 .map_err(|e| anyhow::anyhow!("tokenizing the prompt: {e}"))?
                 .get_ids()
@@ -183,13 +194,14 @@ fn run(args: Args) -> anyhow::Result<()> {
         bail!("the prompt has no tokens");
     }
     if args.format == Format::Text && tokenizer.is_none() {
-        bail!(
-            "--format text needs {} (use --format json)",
-            tok_path.display()
-        );
+        bail!("--format text needs {no_tokenizer} (use --format json)");
     }
     let t0 = Instant::now();
-    let model = LlamaModel::from_dir(&args.model, dtype, &device)?;
+    let model = if gguf {
+        LlamaModel::from_gguf(&args.model, dtype, &device)?
+    } else {
+        LlamaModel::from_dir(&args.model, dtype, &device)?
+    };
     let vocab = model.config().vocab_size;
     if let Some(&bad) = prompt_ids.iter().find(|&&i| i as usize >= vocab) {
         bail!("prompt id {bad} is outside the vocabulary of {vocab}");

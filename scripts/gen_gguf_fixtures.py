@@ -14,6 +14,13 @@ Writes tests/fixtures/gguf/:
 - types.safetensors: each tensor dequantized to f32 by `gguf.quants.dequantize`, under the
   same name, in candle's shape (the GGUF dims reversed).
 - metadata.json: the `test.*` metadata as gguf-py reads it back.
+- <case>.f32.gguf, <case>.q8_0.gguf, <case>.q4_1.gguf for the tiny decoders of
+  tests/fixtures/decoders/ (llama_gqa, llama_linear_rope, llama_head_dim, qwen2_tied): the
+  model as llama.cpp's converter writes it (its names and metadata keys, the query and key
+  rows of `llama` permuted for its rotation, norms in F32, the matrices in the file's type),
+  and <case>.q8_0/ and <case>.q4_1/: config.json and model.safetensors holding the
+  dequantized weights under the Hugging Face names, with the permutation undone as
+  transformers undoes it (`reverse_permute_weights`): what transformers loads from the file.
 """
 
 import json
@@ -43,6 +50,116 @@ RANDOM_BLOCKS = [
     (T.Q5_K, [0, 2]),
     (T.Q6_K, [208]),
 ]
+
+
+DECODERS = ["llama_gqa", "llama_linear_rope", "llama_head_dim", "qwen2_tied"]
+FIXTURES = os.path.join(os.path.dirname(__file__), "..", "tests", "fixtures", "decoders")
+
+
+def permute(w, n_head):
+    """llama.cpp's convert_hf_to_gguf.py LlamaModel.permute (n_head: the heads of w)."""
+    return w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def reverse_permute(w, n_head):
+    """transformers' reverse_permute_weights."""
+    dim = w.shape[0] // n_head // 2
+    return w.reshape(n_head, dim, 2, *w.shape[1:]).swapaxes(2, 1).reshape(w.shape)
+
+
+GGUF_NAMES = [
+    ("input_layernorm.", "attn_norm."),
+    ("self_attn.q_proj.", "attn_q."),
+    ("self_attn.k_proj.", "attn_k."),
+    ("self_attn.v_proj.", "attn_v."),
+    ("self_attn.o_proj.", "attn_output."),
+    ("post_attention_layernorm.", "ffn_norm."),
+    ("mlp.gate_proj.", "ffn_gate."),
+    ("mlp.up_proj.", "ffn_up."),
+    ("mlp.down_proj.", "ffn_down."),
+]
+
+
+def gguf_name(hf):
+    fixed = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight", "lm_head.weight": "output.weight"}
+    if hf in fixed:
+        return fixed[hf]
+    rest = hf[len("model.layers."):]
+    layer, rest = rest.split(".", 1)
+    for h, g in GGUF_NAMES:
+        if rest.startswith(h):
+            return f"blk.{layer}.{g}{rest[len(h):]}"
+    raise KeyError(hf)
+
+
+def write_decoder(case, qtype):
+    from safetensors.numpy import load_file
+
+    src = os.path.join(FIXTURES, case)
+    cfg = json.load(open(os.path.join(src, "config.json")))
+    weights = load_file(os.path.join(src, "model.safetensors"))
+    arch = cfg["model_type"]
+    heads = cfg["num_attention_heads"]
+    kv_heads = cfg.get("num_key_value_heads") or heads
+    head_dim = cfg.get("head_dim") or cfg["hidden_size"] // heads
+    suffix = qtype.name.lower() if qtype is not None else "f32"
+    path = os.path.join(OUT, f"{case}.{suffix}.gguf")
+    w = gguf.GGUFWriter(path, arch=arch)
+    w.add_context_length(cfg.get("max_position_embeddings", 64))
+    w.add_embedding_length(cfg["hidden_size"])
+    w.add_feed_forward_length(cfg["intermediate_size"])
+    w.add_block_count(cfg["num_hidden_layers"])
+    w.add_head_count(heads)
+    w.add_head_count_kv(kv_heads)
+    w.add_layer_norm_rms_eps(cfg["rms_norm_eps"])
+    params = cfg.get("rope_parameters") or {}
+    w.add_rope_freq_base(params.get("rope_theta", cfg.get("rope_theta", 10000.0)))
+    w.add_rope_dimension_count(head_dim)
+    if cfg.get("head_dim"):
+        w.add_key_length(head_dim)
+        w.add_value_length(head_dim)
+    scaling = cfg.get("rope_scaling") or (params if params.get("rope_type", "default") != "default" else None)
+    if scaling:
+        kind = scaling.get("type") or scaling.get("rope_type")
+        assert kind == "linear", kind
+        w.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
+        w.add_rope_scaling_factor(scaling["factor"])
+    w.add_bos_token_id(cfg.get("bos_token_id") or 1)
+    w.add_eos_token_id(cfg.get("eos_token_id") or 2)
+    hf_out = {}
+    for name, t in sorted(weights.items()):
+        t = t.astype(np.float32)
+        if arch == "llama" and name.endswith("q_proj.weight"):
+            stored = permute(t, heads)
+        elif arch == "llama" and name.endswith("k_proj.weight"):
+            stored = permute(t, kv_heads)
+        else:
+            stored = t
+        # Like llama.cpp's quantizer, rows that are not whole blocks stay in a float type.
+        if qtype is None or stored.ndim == 1 or stored.shape[-1] % gguf.GGML_QUANT_SIZES[qtype][0]:
+            w.add_tensor(gguf_name(name), stored)
+            hf_out[name] = t
+            continue
+        q = gguf.quants.quantize(stored, qtype)
+        w.add_tensor(gguf_name(name), q, raw_dtype=qtype)
+        back = gguf.quants.dequantize(q, qtype).astype(np.float32)
+        if arch == "llama" and name.endswith("q_proj.weight"):
+            back = reverse_permute(back, heads)
+        elif arch == "llama" and name.endswith("k_proj.weight"):
+            back = reverse_permute(back, kv_heads)
+        hf_out[name] = np.ascontiguousarray(back)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    if qtype is not None:
+        out_dir = os.path.join(OUT, f"{case}.{suffix}")
+        os.makedirs(out_dir, exist_ok=True)
+        save_file(hf_out, os.path.join(out_dir, "model.safetensors"))
+        with open(os.path.join(out_dir, "config.json"), "w") as f:
+            json.dump(cfg, f, indent=1)
+            f.write("\n")
+    return path
 
 
 def main():
@@ -106,6 +223,10 @@ def main():
         json.dump(meta, f, indent=1, ensure_ascii=False)
         f.write("\n")
     print(f"wrote {path} ({os.path.getsize(path)} bytes), {len(expected)} tensors")
+    for case in DECODERS:
+        for qtype in [None, T.Q8_0, T.Q4_1]:
+            p = write_decoder(case, qtype)
+            print(f"wrote {p} ({os.path.getsize(p)} bytes)")
 
 
 if __name__ == "__main__":

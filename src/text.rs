@@ -84,12 +84,17 @@ impl TextEncoder {
             path: path.to_path_buf(),
             cause,
         })?;
-        let mut tokenizer = Tokenizer::from_bytes(&bytes).map_err(|e| {
+        let tokenizer = Tokenizer::from_bytes(&bytes).map_err(|e| {
             Error::Tokenizer(format!(
                 "{} is not a valid tokenizer.json: {e}",
                 path.display()
             ))
         })?;
+        Self::from_tokenizer(tokenizer)
+    }
+
+    /// Wraps a built tokenizer (padding and truncation dropped, as for a file).
+    pub(crate) fn from_tokenizer(mut tokenizer: Tokenizer) -> Result<Self> {
         let pad_id = tokenizer
             .get_padding()
             .map(|p| p.pad_id)

@@ -1,11 +1,14 @@
 //! Everything named after a file on disk: safetensors checkpoints with loud errors
 //! ([`checkpoint`]), the renaming of each checkpoint layout's tensors ([`layout`]),
 //! `config.json` as is ([`config`]), GGUF files with their metadata and quantized tensors
-//! ([`gguf`]), and the form a loaded projection is kept in for the
+//! ([`gguf`]) and a LLaMA-family file under the Hugging Face names ([`gguf_layout`]) with its tokenizer
+//! ([`gguf_tokenizer`]), and the form a loaded projection is kept in for the
 //! device that multiplies by it ([`stored`]).
 
 pub(crate) mod checkpoint;
 pub(crate) mod config;
 pub(crate) mod gguf;
+pub(crate) mod gguf_layout;
+pub(crate) mod gguf_tokenizer;
 pub(crate) mod layout;
 pub(crate) mod stored;

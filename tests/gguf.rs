@@ -26,7 +26,12 @@ fn every_type_dequantizes_as_gguf_py_does() -> anyhow::Result<()> {
             expected.flatten_all()?.to_vec1()?,
         );
         for (i, (a, b)) in g.iter().zip(&w).enumerate() {
-            assert_eq!(a.to_bits(), b.to_bits(), "{}[{i}]: {a} vs gguf-py's {b}", info.name);
+            assert_eq!(
+                a.to_bits(),
+                b.to_bits(),
+                "{}[{i}]: {a} vs gguf-py's {b}",
+                info.name
+            );
         }
         if let Ok(ty) = info.dtype {
             seen.push(ty);

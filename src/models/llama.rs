@@ -20,6 +20,8 @@ use crate::kernels::decode::widen;
 use crate::models::kv_cache::KvCache;
 use crate::models::rope::{RopeConfig, RopeLayout, RotaryEmbedding};
 use crate::weights::config::{read_config_file, AttentionConfig};
+use crate::weights::gguf::GgufFile;
+use crate::weights::gguf_layout;
 use crate::weights::layout::WeightLayout;
 
 fn default_rms_eps() -> f64 {
@@ -90,9 +92,19 @@ impl LlamaConfig {
         read_config_file(path.as_ref(), Self::from_json)
     }
 
+    /// The configuration of a LLaMA-family GGUF file, from its metadata (the `config.json`
+    /// transformers builds when it loads the file).
+    pub fn from_gguf(file: &GgufFile) -> Result<Self> {
+        Self::from_value(gguf_layout::hf_config(file)?)
+    }
+
     /// Parses and checks the text of a `config.json`.
     pub fn from_json(text: &str) -> Result<Self> {
         let raw: Value = serde_json::from_str(text).map_err(|e| Error::config(e.to_string()))?;
+        Self::from_value(raw)
+    }
+
+    fn from_value(raw: Value) -> Result<Self> {
         let mut cfg: Self =
             serde_json::from_value(raw.clone()).map_err(|e| Error::config(e.to_string()))?;
         let kind = cfg.model_type.as_deref().unwrap_or("llama");
@@ -382,6 +394,20 @@ impl LlamaModel {
         let cfg = LlamaConfig::from_file(dir.join("config.json"))?;
         let ckpt = crate::Checkpoint::open(dir.join("model.safetensors"))?;
         Self::load(ckpt.var_builder(dtype, device), &cfg)
+    }
+
+    /// Loads a LLaMA-family model (architectures `llama`, `mistral`, `qwen2`) from one GGUF
+    /// file: the configuration from its metadata, every tensor dequantized to `dtype` exactly
+    /// as transformers dequantizes it (`gguf_file=`), llama.cpp's rotary row order undone.
+    pub fn from_gguf(path: impl AsRef<Path>, dtype: DType, device: &Device) -> Result<Self> {
+        let file = GgufFile::open(path)?;
+        let raw = gguf_layout::hf_config(&file)?;
+        let cfg = LlamaConfig::from_value(raw.clone())?;
+        let weights = gguf_layout::GgufLlamaWeights::new(file, &raw)?;
+        Self::load(
+            VarBuilder::from_backend(Box::new(weights), dtype, device.clone()),
+            &cfg,
+        )
     }
 
     /// The configuration.

@@ -245,7 +245,11 @@ impl GgufFile {
         let version = r.u32().map_err(&err)?;
         match version {
             2 | 3 => {}
-            1 => return Err(err("GGUF version 1 is not supported (versions 2 and 3 are)".into())),
+            1 => {
+                return Err(err(
+                    "GGUF version 1 is not supported (versions 2 and 3 are)".into(),
+                ))
+            }
             v if v.swap_bytes() == 2 || v.swap_bytes() == 3 => {
                 return Err(err("big-endian GGUF files are not supported".into()))
             }
@@ -254,8 +258,10 @@ impl GgufFile {
         let tensor_count = r.u64().map_err(&err)?;
         let kv_count = r.u64().map_err(&err)?;
         // Each metadata entry takes at least 8 + 4 + 1 bytes, each tensor info 8 + 4 + 8 + 4 + 8.
-        r.check_count(kv_count, 13, "metadata entries").map_err(&err)?;
-        r.check_count(tensor_count, 32, "tensor infos").map_err(&err)?;
+        r.check_count(kv_count, 13, "metadata entries")
+            .map_err(&err)?;
+        r.check_count(tensor_count, 32, "tensor infos")
+            .map_err(&err)?;
         let mut metadata = Vec::with_capacity(kv_count as usize);
         let mut meta_index = HashMap::new();
         for i in 0..kv_count {
@@ -402,19 +408,22 @@ impl GgufFile {
     /// A required non-negative integer.
     pub fn require_u64(&self, key: &str) -> Result<u64> {
         let v = self.require(key)?;
-        v.as_u64().ok_or_else(|| self.wrong_type(key, v, "a non-negative integer"))
+        v.as_u64()
+            .ok_or_else(|| self.wrong_type(key, v, "a non-negative integer"))
     }
 
     /// A required float (or integer).
     pub fn require_f64(&self, key: &str) -> Result<f64> {
         let v = self.require(key)?;
-        v.as_f64().ok_or_else(|| self.wrong_type(key, v, "a number"))
+        v.as_f64()
+            .ok_or_else(|| self.wrong_type(key, v, "a number"))
     }
 
     /// A required string.
     pub fn require_str(&self, key: &str) -> Result<&str> {
         let v = self.require(key)?;
-        v.as_str().ok_or_else(|| self.wrong_type(key, v, "a string"))
+        v.as_str()
+            .ok_or_else(|| self.wrong_type(key, v, "a string"))
     }
 
     fn wrong_type(&self, key: &str, v: &GgufValue, expected: &str) -> Error {
@@ -710,7 +719,10 @@ mod tests {
         assert_eq!(f.version(), 3);
         assert_eq!(f.require_str("general.architecture")?, "llama");
         assert_eq!(f.require_u64("llama.block_count")?, 2);
-        let tokens = f.require("tokenizer.ggml.tokens")?.as_array().map(|a| a.len());
+        let tokens = f
+            .require("tokenizer.ggml.tokens")?
+            .as_array()
+            .map(|a| a.len());
         assert_eq!(tokens, Some(2));
         let t = f.dequantize("w", &Device::Cpu)?;
         assert_eq!(t.dims(), &[2, 3]);
@@ -747,7 +759,10 @@ mod tests {
             .map(|f| f.tensors()[0].range.end)
             .unwrap_or(good.len());
         for cut in 0..end {
-            assert!(GgufFile::from_bytes(good[..cut].to_vec(), "cut.gguf").is_err(), "{cut}");
+            assert!(
+                GgufFile::from_bytes(good[..cut].to_vec(), "cut.gguf").is_err(),
+                "{cut}"
+            );
         }
         // A tensor count the file cannot hold.
         let mut many = good.clone();
@@ -775,9 +790,17 @@ mod tests {
             .unwrap_or(0);
         bytes[at..at + 4].copy_from_slice(&16u32.to_le_bytes());
         let f = GgufFile::from_bytes(bytes, "iq.gguf")?;
-        let e = f.tensor_data("w").err().map(|e| e.to_string()).unwrap_or_default();
+        let e = f
+            .tensor_data("w")
+            .err()
+            .map(|e| e.to_string())
+            .unwrap_or_default();
         assert!(e.contains("IQ2_XXS") && e.contains("`w`"), "{e}");
-        let e = f.tensor_data("nope").err().map(|e| e.to_string()).unwrap_or_default();
+        let e = f
+            .tensor_data("nope")
+            .err()
+            .map(|e| e.to_string())
+            .unwrap_or_default();
         assert!(e.contains("nope") && e.contains("w"), "{e}");
         Ok(())
     }

