@@ -17,7 +17,8 @@
 use std::arch::x86_64::*;
 
 #[cfg(target_arch = "x86_64")]
-use crate::kernels::gemm::depth_blocks::{depth_blocks, Start};
+use crate::kernels::gemm::depth_blocks::depth_blocks;
+use crate::kernels::gemm::depth_blocks::Start;
 
 /// Most depth of one pass over a panel (96 x 64 floats = 24 KiB, within a 32 KiB L1);
 /// [`depth_blocks`] splits a longer depth in equal blocks (240 as 3 x 80).
