@@ -2,8 +2,9 @@
 //! ([`checkpoint`]), the renaming of each checkpoint layout's tensors ([`layout`]),
 //! `config.json` as is ([`config`]), GGUF files with their metadata and quantized tensors
 //! ([`gguf`]) and a LLaMA-family file under the Hugging Face names ([`gguf_layout`]) with its tokenizer
-//! ([`gguf_tokenizer`]), and the form a loaded projection is kept in for the
-//! device that multiplies by it ([`stored`]).
+//! ([`gguf_tokenizer`]), the form a loaded projection is kept in for the
+//! device that multiplies by it ([`stored`]), and a GGUF weight kept in its blocks
+//! ([`quantized`]).
 
 pub(crate) mod checkpoint;
 pub(crate) mod config;
@@ -11,4 +12,5 @@ pub(crate) mod gguf;
 pub(crate) mod gguf_layout;
 pub(crate) mod gguf_tokenizer;
 pub(crate) mod layout;
+pub(crate) mod quantized;
 pub(crate) mod stored;

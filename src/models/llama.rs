@@ -23,6 +23,7 @@ use crate::weights::config::{read_config_file, AttentionConfig};
 use crate::weights::gguf::GgufFile;
 use crate::weights::gguf_layout;
 use crate::weights::layout::WeightLayout;
+use crate::weights::quantized::QuantWeight;
 
 fn default_rms_eps() -> f64 {
     1e-6
@@ -177,15 +178,47 @@ impl RopeConfig {
 
 /// `x W^T + b`; for one input row on the CPU (a decode step) a matrix-vector product split
 /// over the threads (f32, or f16 / bf16 widened to f32), which reads the weight faster than
-/// a one-row matrix multiply.
+/// a one-row matrix multiply. A GGUF weight of a block type stays in its blocks.
 #[derive(Debug, Clone)]
-struct DenseLinear(Linear);
+enum Proj {
+    Dense(Linear),
+    Quant(QuantWeight),
+}
 
-impl DenseLinear {
+impl Proj {
+    /// The weight `(out, in)` under `vb` (`weight`, and `bias` when present), kept in its
+    /// blocks when `quant` holds it in a block type.
+    fn load(vb: &VarBuilder, inp: usize, out: usize, quant: Option<&GgufFile>) -> Result<Self> {
+        if let Some(file) = quant {
+            let hf = format!("{}.weight", vb.prefix());
+            if let Some(name) = gguf_layout::gguf_name(&hf) {
+                if let Some(q) = QuantWeight::from_gguf(file, &name, out, inp)? {
+                    if vb.contains_tensor("bias") {
+                        return Err(Error::config(format!(
+                            "`{hf}`: a quantized weight with a bias is not supported"
+                        )));
+                    }
+                    return Ok(Self::Quant(q));
+                }
+            }
+        }
+        let w = vb.get((out, inp), "weight")?;
+        let b = if vb.contains_tensor("bias") {
+            Some(vb.get(out, "bias")?)
+        } else {
+            None
+        };
+        Ok(Self::Dense(Linear::new(w, b)))
+    }
+
     /// # Shapes
     /// - `x`: `(..., in)`; returns `(..., out)`
     fn forward(&self, x: &Tensor) -> Result<Tensor> {
-        let (w, b) = (self.0.weight(), self.0.bias());
+        let dense = match self {
+            Self::Quant(q) => return q.forward(x),
+            Self::Dense(l) => l,
+        };
+        let (w, b) = (dense.weight(), dense.bias());
         if let Some(y) = one_row_linear(x, w, b, true)? {
             return Ok(y);
         }
@@ -195,42 +228,52 @@ impl DenseLinear {
             let b = b.map(|b| b.to_dtype(x.dtype())).transpose()?;
             return Ok(Linear::new(widen::to_f32(w)?, b).forward(x)?);
         }
-        Ok(self.0.forward(x)?)
+        Ok(dense.forward(x)?)
+    }
+}
+
+/// The token embeddings: a table, or a GGUF matrix in its blocks (rows dequantized as they
+/// are looked up).
+#[derive(Debug, Clone)]
+enum Embed {
+    Dense(Embedding),
+    Quant(QuantWeight),
+}
+
+impl Embed {
+    fn forward(&self, ids: &Tensor) -> Result<Tensor> {
+        match self {
+            Self::Dense(e) => Ok(e.forward(ids)?),
+            Self::Quant(q) => q.rows_of(ids),
+        }
     }
 }
 
 /// `down(silu(gate(x)) * up(x))`.
 #[derive(Debug, Clone)]
 struct Mlp {
-    gate: DenseLinear,
-    up: DenseLinear,
-    down: DenseLinear,
+    gate: Proj,
+    up: Proj,
+    down: Proj,
 }
 
 impl Mlp {
-    fn load(vb: VarBuilder, cfg: &LlamaConfig) -> Result<Self> {
+    fn load(vb: VarBuilder, cfg: &LlamaConfig, quant: Option<&GgufFile>) -> Result<Self> {
         let (d, i) = (cfg.hidden_size, cfg.intermediate_size);
-        let lin = |vb: VarBuilder, inp, out| -> Result<DenseLinear> {
-            let w = vb.get((out, inp), "weight")?;
-            let b = if vb.contains_tensor("bias") {
-                Some(vb.get(out, "bias")?)
-            } else {
-                None
-            };
-            Ok(DenseLinear(Linear::new(w, b)))
-        };
         Ok(Self {
-            gate: lin(vb.pp("gate_proj"), d, i)?,
-            up: lin(vb.pp("up_proj"), d, i)?,
-            down: lin(vb.pp("down_proj"), i, d)?,
+            gate: Proj::load(&vb.pp("gate_proj"), d, i, quant)?,
+            up: Proj::load(&vb.pp("up_proj"), d, i, quant)?,
+            down: Proj::load(&vb.pp("down_proj"), i, d, quant)?,
         })
     }
 
     fn forward(&self, x: &Tensor) -> Result<Tensor> {
-        // A decode step: both halves in one pass over the threads.
-        let (gate, up) = (&self.gate.0, &self.up.0);
-        if let Some(h) = one_row_gated(x, (gate.weight(), gate.bias()), (up.weight(), up.bias()))? {
-            return self.down.forward(&h);
+        // A decode step on dense weights: both halves in one pass over the threads.
+        if let (Proj::Dense(gate), Proj::Dense(up)) = (&self.gate, &self.up) {
+            let (g, u) = ((gate.weight(), gate.bias()), (up.weight(), up.bias()));
+            if let Some(h) = one_row_gated(x, g, u)? {
+                return self.down.forward(&h);
+            }
         }
         let g = candle_nn::ops::silu(&self.gate.forward(x)?)?;
         self.down.forward(&(g * self.up.forward(x)?)?)
@@ -311,18 +354,25 @@ pub struct LlamaModel {
     cfg: LlamaConfig,
     /// The dtype of the hidden states: f32 on the CPU, the weights' elsewhere.
     compute: DType,
-    embed: Embedding,
+    embed: Embed,
     layers: Vec<DecoderLayer>,
     norm: RmsNorm,
     /// `(vocab, hidden)`: the embedding matrix when tied.
-    lm_head: DenseLinear,
+    lm_head: Proj,
     rope: RotaryEmbedding,
 }
 
 impl LlamaModel {
     /// Loads the model under `vb` (the checkpoint's root: `model.embed_tokens.weight`, ...).
     pub fn load(vb: VarBuilder, cfg: &LlamaConfig) -> Result<Self> {
+        Self::load_from(vb, cfg, None)
+    }
+
+    /// [`LlamaModel::load`]; with `quant` (the GGUF file behind `vb`, on the CPU), the
+    /// MLP, embedding and output matrices stored in block types stay in their blocks.
+    fn load_from(vb: VarBuilder, cfg: &LlamaConfig, quant: Option<&GgufFile>) -> Result<Self> {
         let d = cfg.hidden_size;
+        let quant = quant.filter(|_| vb.device().is_cpu());
         // On the CPU the hidden states, norms and MLP activations are f32 whatever the
         // weights' dtype (the kernels widen half-precision weights as they read them).
         let compute = if vb.device().is_cpu() {
@@ -338,8 +388,11 @@ impl LlamaModel {
             Ok(RmsNorm::new(w, cfg.rms_norm_eps))
         };
         let m = vb.pp("model");
-        let embed_w = m.pp("embed_tokens").get((cfg.vocab_size, d), "weight")?;
-        let embed = Embedding::new(embed_w.clone(), d);
+        let embed_proj = Proj::load(&m.pp("embed_tokens"), d, cfg.vocab_size, quant)?;
+        let embed = match &embed_proj {
+            Proj::Quant(q) => Embed::Quant(q.clone()),
+            Proj::Dense(l) => Embed::Dense(Embedding::new(l.weight().clone(), d)),
+        };
         let heads = cfg.num_attention_heads;
         let kv_heads = cfg.num_key_value_heads.unwrap_or(heads);
         let mut layers = Vec::with_capacity(cfg.num_hidden_layers);
@@ -355,7 +408,7 @@ impl LlamaModel {
                 input_norm: rms(l.pp("input_layernorm"))?,
                 attn: MultiHeadSelfAttention::load(l.pp("self_attn"), &acfg)?,
                 post_norm: rms(l.pp("post_attention_layernorm"))?,
-                mlp: Mlp::load(l.pp("mlp"), cfg)?,
+                mlp: Mlp::load(l.pp("mlp"), cfg, quant)?,
                 window: cfg.window_of(i),
             });
             let head_dim = layers[i].attn.head_dim();
@@ -367,13 +420,11 @@ impl LlamaModel {
             }
         }
         let norm = rms(m.pp("norm"))?;
-        let lm_head = DenseLinear(
-            if cfg.tie_word_embeddings && !vb.contains_tensor("lm_head.weight") {
-                Linear::new(embed_w, None)
-            } else {
-                Linear::new(vb.pp("lm_head").get((cfg.vocab_size, d), "weight")?, None)
-            },
-        );
+        let lm_head = if cfg.tie_word_embeddings && !vb.contains_tensor("lm_head.weight") {
+            embed_proj
+        } else {
+            Proj::load(&vb.pp("lm_head"), d, cfg.vocab_size, quant)?
+        };
         let positions = cfg.max_position_embeddings.unwrap_or(2048).min(1 << 16);
         let rope = RotaryEmbedding::new(cfg.rope.clone(), positions, vb.device())?;
         Ok(Self {
@@ -397,17 +448,18 @@ impl LlamaModel {
     }
 
     /// Loads a LLaMA-family model (architectures `llama`, `mistral`, `qwen2`) from one GGUF
-    /// file: the configuration from its metadata, every tensor dequantized to `dtype` exactly
-    /// as transformers dequantizes it (`gguf_file=`), llama.cpp's rotary row order undone.
+    /// file: the configuration from its metadata, llama.cpp's rotary row order undone, and
+    /// the weights as transformers dequantizes them (`gguf_file=`). On the CPU the MLP,
+    /// embedding and output matrices stored in block types stay in their blocks (read from
+    /// the file's memory map, dequantized as they are multiplied); the attention projections
+    /// and everything else are dequantized to `dtype` at load.
     pub fn from_gguf(path: impl AsRef<Path>, dtype: DType, device: &Device) -> Result<Self> {
         let file = GgufFile::open(path)?;
         let raw = gguf_layout::hf_config(&file)?;
         let cfg = LlamaConfig::from_value(raw.clone())?;
-        let weights = gguf_layout::GgufLlamaWeights::new(file, &raw)?;
-        Self::load(
-            VarBuilder::from_backend(Box::new(weights), dtype, device.clone()),
-            &cfg,
-        )
+        let weights = gguf_layout::GgufLlamaWeights::new(file.clone(), &raw)?;
+        let vb = VarBuilder::from_backend(Box::new(weights), dtype, device.clone());
+        Self::load_from(vb, &cfg, Some(&file))
     }
 
     /// The configuration.

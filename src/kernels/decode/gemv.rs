@@ -14,14 +14,14 @@ use crate::kernels::decode::gemv_avx512::{self, Load16};
 const LANES: usize = 16;
 
 /// Most outputs per task (the gated kernel keeps one task's up-projection on the stack).
-const ROWS_PER_TASK: usize = 256;
+pub(crate) const ROWS_PER_TASK: usize = 256;
 /// Tasks per thread: equal tasks, so that a 576-row product on two threads does not run as
 /// 256 + 256 | 64 (see docs/performance.md).
 const TASKS_PER_THREAD: usize = 4;
 
 /// Outputs per task for `n` outputs: `n / (threads * TASKS_PER_THREAD)` rounded up to a
 /// multiple of `align`, between `align` and `most`.
-fn task_len(n: usize, align: usize, most: usize) -> usize {
+pub(crate) fn task_len(n: usize, align: usize, most: usize) -> usize {
     let tasks = rayon::current_num_threads().max(1) * TASKS_PER_THREAD;
     n.div_ceil(tasks)
         .div_ceil(align)

@@ -1,0 +1,123 @@
+//! `y = W x` for a weight kept as a GGUF file stores it (ggml blocks), one input row at a
+//! time: each task dequantizes four rows at a time into its scratch (exactly, as gguf-py
+//! does) and multiplies them by `x` with the f32 matrix-vector kernel, so every block is
+//! read once per product and the sums are the ones the same weight dequantized to f32
+//! would give.
+
+use rayon::prelude::*;
+
+use crate::error::{Error, Result};
+use crate::kernels::decode::gemv::{dot_rows, task_len, ROWS_PER_TASK};
+use crate::kernels::decode::keep_warm;
+use crate::kernels::quant::blocks::{self, QuantType};
+use crate::kernels::scratch::with_scratch;
+
+/// Rows dequantized together (the f32 kernel's group of rows).
+const GROUP: usize = 4;
+
+/// `y[j] = sum_k W[j, k] x[k] (+ bias[j])` for `W` `(y.len(), x.len())` stored as `ty` rows
+/// in `data`.
+pub(crate) fn quant_gemv(
+    ty: QuantType,
+    data: &[u8],
+    x: &[f32],
+    bias: Option<&[f32]>,
+    y: &mut [f32],
+) -> Result<()> {
+    let (out, inp) = (y.len(), x.len());
+    let row_bytes = ty
+        .bytes_of(inp)
+        .ok_or_else(|| Error::Kernel(format!("rows of {inp} values are not whole {ty} blocks")))?;
+    if data.len() != out * row_bytes || bias.is_some_and(|b| b.len() != out) {
+        return Err(Error::Kernel(format!(
+            "{ty} product of {} bytes by {inp} inputs into {out} outputs",
+            data.len()
+        )));
+    }
+    let len = task_len(out, GROUP, ROWS_PER_TASK);
+    let work = |(c, ys): (usize, &mut [f32])| -> Result<()> {
+        let j0 = c * len;
+        with_scratch(GROUP * inp, |rows| {
+            for (g, yg) in ys.chunks_mut(GROUP).enumerate() {
+                let first = j0 + g * GROUP;
+                let (n, at) = (yg.len(), first * row_bytes);
+                let w = &mut rows[..n * inp];
+                if !blocks::dequantize(ty, &data[at..at + n * row_bytes], w) {
+                    return Err(Error::Kernel(format!(
+                        "{ty} rows {first}.. do not dequantize"
+                    )));
+                }
+                dot_rows(w, x, yg);
+            }
+            Ok(())
+        })?;
+        if let Some(b) = bias {
+            for (yv, bv) in ys.iter_mut().zip(&b[j0..]) {
+                *yv += bv;
+            }
+        }
+        Ok(())
+    };
+    if out * inp < 1 << 16 {
+        y.chunks_mut(len).enumerate().try_for_each(work)
+    } else {
+        keep_warm::run(|| y.par_chunks_mut(len).enumerate().try_for_each(work))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::kernels::decode::gemv::gemv;
+    use candle_core::quantized::{GgmlDType, QTensor};
+    use candle_core::{Device, Tensor};
+
+    /// The product on the blocks equals the f32 kernel's on the dequantized weight, bit for
+    /// bit, for every type and for sizes that leave partial tasks and groups.
+    #[test]
+    fn equals_the_f32_product_of_the_dequantized_weight() -> candle_core::Result<()> {
+        for (ty, g) in [
+            (QuantType::Q4_0, GgmlDType::Q4_0),
+            (QuantType::Q4_1, GgmlDType::Q4_1),
+            (QuantType::Q5_0, GgmlDType::Q5_0),
+            (QuantType::Q5_1, GgmlDType::Q5_1),
+            (QuantType::Q8_0, GgmlDType::Q8_0),
+            (QuantType::Q2K, GgmlDType::Q2K),
+            (QuantType::Q3K, GgmlDType::Q3K),
+            (QuantType::Q4K, GgmlDType::Q4K),
+            (QuantType::Q5K, GgmlDType::Q5K),
+            (QuantType::Q6K, GgmlDType::Q6K),
+        ] {
+            for (out, inp) in [(7usize, 256usize), (301, 512), (1030, 256)] {
+                let w = crate::kernels::test_values(out * inp, 3);
+                let wt = Tensor::from_vec(w, (out, inp), &Device::Cpu)?;
+                let q = QTensor::quantize(&wt, g)?;
+                let bytes = q.data()?;
+                let mut deq = vec![0f32; out * inp];
+                assert!(blocks::dequantize(ty, &bytes, &mut deq));
+                let x = crate::kernels::test_values(inp, 9);
+                let bias = crate::kernels::test_values(out, 4);
+                let (mut want, mut got) = (vec![0f32; out], vec![f32::NAN; out]);
+                gemv(&deq, &x, Some(&bias), &mut want).map_err(crate::Error::into_candle)?;
+                quant_gemv(ty, &bytes, &x, Some(&bias), &mut got)
+                    .map_err(crate::Error::into_candle)?;
+                for (j, (a, b)) in got.iter().zip(&want).enumerate() {
+                    assert_eq!(
+                        a.to_bits(),
+                        b.to_bits(),
+                        "{ty} {out}x{inp} row {j}: {a} vs {b}"
+                    );
+                }
+            }
+        }
+        Ok(())
+    }
+
+    #[test]
+    fn sizes_that_do_not_fit_are_errors() {
+        let mut y = vec![0f32; 2];
+        assert!(quant_gemv(QuantType::Q8_0, &[0u8; 34], &[0f32; 32], None, &mut y).is_err());
+        assert!(quant_gemv(QuantType::Q8_0, &[0u8; 68], &[0f32; 31], None, &mut y).is_err());
+        assert!(quant_gemv(QuantType::Q8_0, &[0u8; 68], &[0f32; 32], None, &mut y).is_ok());
+    }
+}

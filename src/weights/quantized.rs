@@ -1,0 +1,132 @@
+//! A projection or embedding weight kept as a GGUF file stores it (ggml blocks, read from the
+//! file's memory map), so that a quantized model stays near its file size in memory. One
+//! input row (a decode step) is multiplied on the blocks as they are read; several rows (a
+//! prompt) by the weight dequantized once for the call; both give the values the weight
+//! dequantized to f32 at load would give (the same dequantization, the same f32 kernels).
+
+use candle_core::{DType, Device, Module, Tensor, D};
+use candle_nn::Linear;
+
+use crate::error::{Error, Result};
+use crate::kernels::decode::quant_gemv::quant_gemv;
+use crate::kernels::quant::blocks::{self, QuantType};
+use crate::weights::gguf::GgufFile;
+
+/// A `(rows, cols)` weight of a block type, in its file.
+#[derive(Clone)]
+pub(crate) struct QuantWeight {
+    file: GgufFile,
+    name: String,
+    ty: QuantType,
+    rows: usize,
+    cols: usize,
+}
+
+impl std::fmt::Debug for QuantWeight {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(
+            f,
+            "QuantWeight({} {} {}x{})",
+            self.name, self.ty, self.rows, self.cols
+        )
+    }
+}
+
+impl QuantWeight {
+    /// The matrix `name` of `file` when it is stored in a block type (`None` for the float
+    /// types, which the dense kernels read as they are), checked to be `(rows, cols)`.
+    pub fn from_gguf(
+        file: &GgufFile,
+        name: &str,
+        rows: usize,
+        cols: usize,
+    ) -> Result<Option<Self>> {
+        let info = file.tensor_info(name)?;
+        let ty = match info.dtype {
+            Ok(QuantType::F32 | QuantType::F16 | QuantType::BF16) => return Ok(None),
+            Ok(ty) => ty,
+            // Reading it reports the type.
+            Err(_) => return file.tensor_data(name).map(|_| None),
+        };
+        if info.ggml_dims != [cols, rows] {
+            return Err(Error::ShapeMismatch {
+                tensor: name.to_string(),
+                expected: format!("ggml dims [{cols}, {rows}] ({rows} rows of {cols})"),
+                found: info.ggml_dims.clone(),
+            });
+        }
+        Ok(Some(Self {
+            file: file.clone(),
+            name: name.to_string(),
+            ty,
+            rows,
+            cols,
+        }))
+    }
+
+    fn data(&self) -> Result<&[u8]> {
+        Ok(self.file.tensor_data(&self.name)?.1)
+    }
+
+    /// The weight dequantized, `(rows, cols)` f32.
+    pub fn dequantize(&self, device: &Device) -> Result<Tensor> {
+        self.file.dequantize(&self.name, device)
+    }
+
+    /// `x W^T` for `x` `(..., cols)` f32 on the CPU; returns `(..., rows)`.
+    pub fn forward(&self, x: &Tensor) -> Result<Tensor> {
+        let inp = x.dim(D::Minus1)?;
+        if inp != self.cols || x.dtype() != DType::F32 || !x.device().is_cpu() {
+            return Err(Error::input(
+                "x",
+                format!("(..., {}) f32 on the CPU for `{}`", self.cols, self.name),
+                format!("{:?} {:?} on {:?}", x.dims(), x.dtype(), x.device()),
+            ));
+        }
+        if x.elem_count() == inp {
+            let xs: Vec<f32> = x.flatten_all()?.to_vec1()?;
+            let mut y = vec![0f32; self.rows];
+            quant_gemv(self.ty, self.data()?, &xs, None, &mut y)?;
+            let mut shape = x.dims().to_vec();
+            if let Some(last) = shape.last_mut() {
+                *last = self.rows;
+            }
+            return Ok(Tensor::from_vec(y, shape, x.device())?);
+        }
+        // Several rows: the weight dequantized once for the call, multiplied as a dense
+        // layer would.
+        let w = self.dequantize(x.device())?;
+        Ok(Linear::new(w, None).forward(x)?)
+    }
+
+    /// The rows `ids` (an embedding lookup), dequantized: `(..., cols)` f32 for ids `(...)`.
+    pub fn rows_of(&self, ids: &Tensor) -> Result<Tensor> {
+        let flat: Vec<u32> = ids.flatten_all()?.to_dtype(DType::U32)?.to_vec1()?;
+        let row_bytes = self
+            .ty
+            .bytes_of(self.cols)
+            .ok_or_else(|| Error::Kernel(format!("`{}`: rows are not whole blocks", self.name)))?;
+        let data = self.data()?;
+        let mut out = vec![0f32; flat.len() * self.cols];
+        for (&id, dst) in flat.iter().zip(out.chunks_mut(self.cols)) {
+            let id = id as usize;
+            if id >= self.rows {
+                return Err(Error::input(
+                    "ids",
+                    format!("ids below {} (`{}`)", self.rows, self.name),
+                    format!("id {id}"),
+                ));
+            }
+            let src = &data[id * row_bytes..(id + 1) * row_bytes];
+            if !blocks::dequantize(self.ty, src, dst) {
+                return Err(Error::Kernel(format!(
+                    "`{}` row {id} does not dequantize",
+                    self.name
+                )));
+            }
+        }
+        let mut shape = ids.dims().to_vec();
+        shape.push(self.cols);
+        Ok(Tensor::from_vec(out, shape, ids.device())?)
+    }
+}
