@@ -162,6 +162,7 @@ impl std::fmt::Display for QuantType {
     }
 }
 
+#[inline]
 fn half_at(b: &[u8], at: usize) -> f32 {
     f16::from_le_bytes([b[at], b[at + 1]]).to_f32()
 }
@@ -172,29 +173,51 @@ pub(crate) fn dequantize(ty: QuantType, bytes: &[u8], out: &mut [f32]) -> bool {
     if ty.bytes_of(out.len()) != Some(bytes.len()) {
         return false;
     }
-    let (n, size) = (ty.block_values(), ty.block_bytes());
-    for (b, y) in bytes.chunks_exact(size).zip(out.chunks_exact_mut(n)) {
-        match ty {
-            QuantType::F32 => y[0] = f32::from_le_bytes([b[0], b[1], b[2], b[3]]),
-            QuantType::F16 => y[0] = half_at(b, 0),
-            QuantType::BF16 => y[0] = bf16::from_le_bytes([b[0], b[1]]).to_f32(),
-            QuantType::Q4_0 => q4_0(b, y),
-            QuantType::Q4_1 => q4_1(b, y),
-            QuantType::Q5_0 => q5_0(b, y),
-            QuantType::Q5_1 => q5_1(b, y),
-            QuantType::Q8_0 => q8_0(b, y),
-            QuantType::Q2K => q2_k(b, y),
-            QuantType::Q3K => q3_k(b, y),
-            QuantType::Q4K => q4_k(b, y),
-            QuantType::Q5K => q5_k(b, y),
-            QuantType::Q6K => q6_k(b, y),
+    // One loop per type, so that each block's body is compiled (and vectorised) for it.
+    fn each<const B: usize, const N: usize>(
+        bytes: &[u8],
+        out: &mut [f32],
+        f: impl Fn(&[u8; B], &mut [f32; N]),
+    ) {
+        let (blocks, _) = bytes.as_chunks::<B>();
+        let (values, _) = out.as_chunks_mut::<N>();
+        for (b, y) in blocks.iter().zip(values) {
+            f(b, y);
         }
+    }
+    match ty {
+        QuantType::F32 => {
+            for (b, y) in bytes.chunks_exact(4).zip(out.iter_mut()) {
+                *y = f32::from_le_bytes([b[0], b[1], b[2], b[3]]);
+            }
+        }
+        QuantType::F16 => {
+            for (b, y) in bytes.chunks_exact(2).zip(out.iter_mut()) {
+                *y = half_at(b, 0);
+            }
+        }
+        QuantType::BF16 => {
+            for (b, y) in bytes.chunks_exact(2).zip(out.iter_mut()) {
+                *y = bf16::from_le_bytes([b[0], b[1]]).to_f32();
+            }
+        }
+        QuantType::Q4_0 => each(bytes, out, q4_0),
+        QuantType::Q4_1 => each(bytes, out, q4_1),
+        QuantType::Q5_0 => each(bytes, out, q5_0),
+        QuantType::Q5_1 => each(bytes, out, q5_1),
+        QuantType::Q8_0 => each(bytes, out, q8_0),
+        QuantType::Q2K => each(bytes, out, q2_k),
+        QuantType::Q3K => each(bytes, out, q3_k),
+        QuantType::Q4K => each(bytes, out, q4_k),
+        QuantType::Q5K => each(bytes, out, q5_k),
+        QuantType::Q6K => each(bytes, out, q6_k),
     }
     true
 }
 
 /// `{ f16 d; u8 qs[16] }`: low nibbles are values 0..16, high nibbles 16..32.
-fn q4_0(b: &[u8], y: &mut [f32]) {
+#[inline]
+fn q4_0(b: &[u8; 18], y: &mut [f32; 32]) {
     let d = half_at(b, 0);
     for (j, &q) in b[2..18].iter().enumerate() {
         y[j] = d * ((q & 0x0F) as i32 - 8) as f32;
@@ -203,7 +226,8 @@ fn q4_0(b: &[u8], y: &mut [f32]) {
 }
 
 /// `{ f16 d; f16 m; u8 qs[16] }`.
-fn q4_1(b: &[u8], y: &mut [f32]) {
+#[inline]
+fn q4_1(b: &[u8; 20], y: &mut [f32; 32]) {
     let (d, m) = (half_at(b, 0), half_at(b, 2));
     for (j, &q) in b[4..20].iter().enumerate() {
         y[j] = d * (q & 0x0F) as f32 + m;
@@ -217,7 +241,8 @@ fn high_bits(b: &[u8]) -> u32 {
 }
 
 /// `{ f16 d; u8 qh[4]; u8 qs[16] }`.
-fn q5_0(b: &[u8], y: &mut [f32]) {
+#[inline]
+fn q5_0(b: &[u8; 22], y: &mut [f32; 32]) {
     let d = half_at(b, 0);
     let qh = high_bits(&b[2..6]);
     for (j, &q) in b[6..22].iter().enumerate() {
@@ -229,7 +254,8 @@ fn q5_0(b: &[u8], y: &mut [f32]) {
 }
 
 /// `{ f16 d; f16 m; u8 qh[4]; u8 qs[16] }`.
-fn q5_1(b: &[u8], y: &mut [f32]) {
+#[inline]
+fn q5_1(b: &[u8; 24], y: &mut [f32; 32]) {
     let (d, m) = (half_at(b, 0), half_at(b, 2));
     let qh = high_bits(&b[4..8]);
     for (j, &q) in b[8..24].iter().enumerate() {
@@ -241,7 +267,8 @@ fn q5_1(b: &[u8], y: &mut [f32]) {
 }
 
 /// `{ f16 d; i8 qs[32] }`.
-fn q8_0(b: &[u8], y: &mut [f32]) {
+#[inline]
+fn q8_0(b: &[u8; 34], y: &mut [f32; 32]) {
     let d = half_at(b, 0);
     for (j, &q) in b[2..34].iter().enumerate() {
         y[j] = (q as i8) as f32 * d;
@@ -251,7 +278,8 @@ fn q8_0(b: &[u8], y: &mut [f32]) {
 /// `{ u8 scales[16]; u8 qs[64]; f16 d; f16 dmin }`: group `g` of 16 values has scale
 /// `d * (scales[g] & 15)` and min `dmin * (scales[g] >> 4)`; value `i` of the 128-value half
 /// `h` is bits `2 * (i / 32)` of `qs[32 * h + i % 32]`.
-fn q2_k(b: &[u8], y: &mut [f32]) {
+#[inline]
+fn q2_k(b: &[u8; 84], y: &mut [f32; 256]) {
     let (scales, qs) = (&b[0..16], &b[16..80]);
     let (d, dmin) = (half_at(b, 80), half_at(b, 82));
     for (g, yg) in y.chunks_exact_mut(16).enumerate() {
@@ -267,7 +295,8 @@ fn q2_k(b: &[u8], y: &mut [f32]) {
 
 /// `{ u8 hmask[32]; u8 qs[64]; u8 scales[12]; f16 d }`: 16 groups of 16 values, 6-bit
 /// signed scales (`- 32`), values `q - 4` where the high-mask bit is clear.
-fn q3_k(b: &[u8], y: &mut [f32]) {
+#[inline]
+fn q3_k(b: &[u8; 110], y: &mut [f32; 256]) {
     let (hmask, qs, sc) = (&b[0..32], &b[32..96], &b[96..108]);
     let d = half_at(b, 108);
     for (g, yg) in y.chunks_exact_mut(16).enumerate() {
@@ -300,7 +329,8 @@ fn scale_min_k4(j: usize, q: &[u8]) -> (u8, u8) {
 
 /// `{ f16 d; f16 dmin; u8 scales[12]; u8 qs[128] }`: 8 groups of 32 values; group `2p` is
 /// the low nibbles of `qs[32p..32p + 32]`, group `2p + 1` their high nibbles.
-fn q4_k(b: &[u8], y: &mut [f32]) {
+#[inline]
+fn q4_k(b: &[u8; 144], y: &mut [f32; 256]) {
     let (d, dmin) = (half_at(b, 0), half_at(b, 2));
     let (sc, qs) = (&b[4..16], &b[16..144]);
     for (g, yg) in y.chunks_exact_mut(32).enumerate() {
@@ -315,7 +345,8 @@ fn q4_k(b: &[u8], y: &mut [f32]) {
 
 /// `{ f16 d; f16 dmin; u8 scales[12]; u8 qh[32]; u8 qs[128] }`: as Q4_K, with bit `g` of
 /// `qh[i]` the fifth bit of value `i` of group `g`.
-fn q5_k(b: &[u8], y: &mut [f32]) {
+#[inline]
+fn q5_k(b: &[u8; 176], y: &mut [f32; 256]) {
     let (d, dmin) = (half_at(b, 0), half_at(b, 2));
     let (sc, qh, qs) = (&b[4..16], &b[16..48], &b[48..176]);
     for (g, yg) in y.chunks_exact_mut(32).enumerate() {
@@ -331,7 +362,8 @@ fn q5_k(b: &[u8], y: &mut [f32]) {
 
 /// `{ u8 ql[128]; u8 qh[64]; i8 scales[16]; f16 d }`: 16 groups of 16 values, 6-bit values
 /// `- 32`, group scale `d * scales[g]`.
-fn q6_k(b: &[u8], y: &mut [f32]) {
+#[inline]
+fn q6_k(b: &[u8; 210], y: &mut [f32; 256]) {
     let (ql, qh, sc) = (&b[0..128], &b[128..192], &b[192..208]);
     let d = half_at(b, 208);
     for (g, yg) in y.chunks_exact_mut(16).enumerate() {
