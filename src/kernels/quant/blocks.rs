@@ -179,10 +179,11 @@ pub(crate) fn dequantize(ty: QuantType, bytes: &[u8], out: &mut [f32]) -> bool {
         out: &mut [f32],
         f: impl Fn(&[u8; B], &mut [f32; N]),
     ) {
-        let (blocks, _) = bytes.as_chunks::<B>();
-        let (values, _) = out.as_chunks_mut::<N>();
-        for (b, y) in blocks.iter().zip(values) {
-            f(b, y);
+        for (b, y) in bytes.chunks_exact(B).zip(out.chunks_exact_mut(N)) {
+            // Always whole blocks (the sizes were checked); fixed-size for the compiler.
+            if let (Ok(b), Ok(y)) = (<&[u8; B]>::try_from(b), <&mut [f32; N]>::try_from(y)) {
+                f(b, y);
+            }
         }
     }
     match ty {
