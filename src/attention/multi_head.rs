@@ -74,6 +74,16 @@ impl MultiHeadSelfAttention {
         })
     }
 
+    /// A layer on projections built elsewhere (GGUF weights in their blocks, say).
+    pub(crate) fn from_projections(proj: LayerProjections, cfg: &AttentionConfig) -> Self {
+        Self {
+            proj,
+            causal: cfg.causal,
+            scale: cfg.scale,
+            path: AttentionPath::Auto,
+        }
+    }
+
     /// Chooses the implementation ([`AttentionPath::Auto`] by default; `Explicit` is the
     /// reference composition of candle ops).
     pub fn with_path(mut self, path: AttentionPath) -> Self {

@@ -3,6 +3,8 @@
 //! tensors as they are otherwise), `W_O`, and the products and parameter views every route
 //! of [`crate::attention::layer_routes`] reads.
 
+use std::sync::Arc;
+
 use candle_core::{DType, Tensor};
 
 use crate::attention::cost::HeadDims;
@@ -13,6 +15,7 @@ use crate::kernels::decode::gemv::one_row_linear;
 use crate::kernels::gemm::WeightRef;
 use crate::weights::config::AttentionConfig;
 use crate::weights::layout::{LinearWeights, PackedQkv, Projections};
+use crate::weights::quantized::QuantWeight;
 use crate::weights::stored::StoredWeight;
 
 /// Q, K and V projections. Fused into one matrix at load time whenever the three read the
@@ -210,6 +213,70 @@ impl LayerProjections {
         })
     }
 
+    /// The projections of a layer whose weights are GGUF matrices kept in their blocks:
+    /// `q` `(heads * head_dim, hidden)`, `k` and `v` `(kv_heads * head_dim, hidden)`, `o`
+    /// `(out, heads * head_dim)`; `qkv_bias` `(q + k + v,)` f32, `o_bias` `(out,)`.
+    pub fn quantized(
+        [q, k, v]: [QuantWeight; 3],
+        qkv_bias: Option<Tensor>,
+        o: Option<(QuantWeight, Option<Tensor>)>,
+        heads: usize,
+        kv_heads: usize,
+    ) -> Result<Self> {
+        let ((q_out, hidden), (k_out, k_in), (v_out, v_in)) = (q.dims(), k.dims(), v.dims());
+        if heads == 0 || kv_heads == 0 || heads % kv_heads != 0 || q_out % heads != 0 {
+            return Err(Error::Heads(format!(
+                "{heads} heads and {kv_heads} key/value heads for {q_out} query rows"
+            )));
+        }
+        let head_dim = q_out / heads;
+        if k_out != kv_heads * head_dim || v_out % kv_heads != 0 || k_in != hidden || v_in != hidden
+        {
+            return Err(Error::ShapeMismatch {
+                tensor: "attn_k / attn_v".into(),
+                expected: format!(
+                    "({}, {hidden}) keys and a multiple of {kv_heads} value rows of {hidden}",
+                    kv_heads * head_dim
+                ),
+                found: vec![k_out, k_in, v_out, v_in],
+            });
+        }
+        let v_head_dim = v_out / kv_heads;
+        let out_proj = match o {
+            Some((o, bias)) => {
+                if o.dims().1 != heads * v_head_dim {
+                    return Err(Error::ShapeMismatch {
+                        tensor: "attn_output".into(),
+                        expected: format!("(out, {})", heads * v_head_dim),
+                        found: vec![o.dims().0, o.dims().1],
+                    });
+                }
+                Some(OutProjection {
+                    weight_t: StoredWeight::Quantized(Arc::from([o])),
+                    weight: None,
+                    bias,
+                })
+            }
+            None => None,
+        };
+        Ok(Self {
+            qkv: QkvProjection::Fused {
+                weight_t: StoredWeight::Quantized(Arc::from([q, k, v])),
+                bias: qkv_bias,
+            },
+            out_proj,
+            dims: HeadDims {
+                hidden,
+                kv_hidden: hidden,
+                heads,
+                kv_heads,
+                head_dim,
+                v_head_dim,
+            },
+            packed_qkv: None,
+        })
+    }
+
     /// Number of weights and biases of the Q, K, V and output projections.
     pub(crate) fn parameter_count(&self) -> Result<u64> {
         let n = |t: &Tensor| t.elem_count() as u64;
@@ -257,7 +324,7 @@ impl LayerProjections {
         qkv || self.out_proj.as_ref().is_some_and(|o| {
             let w = match &o.weight_t {
                 StoredWeight::Tensor(t) => Some(t),
-                StoredWeight::Packed(_) => None,
+                StoredWeight::Packed(_) | StoredWeight::Quantized(_) => None,
             };
             dispatch::tracks(&[w, o.bias.as_ref()])
         })
@@ -290,6 +357,13 @@ impl LayerProjections {
     /// # Shapes
     /// - `x2`: `(rows, hidden)`; returns `(rows, q + k + v)`
     pub fn qkv_rows(&self, x2: &Tensor) -> Result<Tensor> {
+        if let QkvProjection::Fused { weight_t, bias } = &self.qkv {
+            if !x2.track_op() {
+                if let Some(y) = weight_t.quantized_forward(x2)? {
+                    return add_bias(y, bias.as_ref());
+                }
+            }
+        }
         Ok(match &self.qkv {
             QkvProjection::Fused { weight_t, bias } => match weight_t.cpu_f32() {
                 Some(w) if x2.device().is_cpu() && x2.dtype() == DType::F32 && !x2.track_op() => {
@@ -329,6 +403,11 @@ impl LayerProjections {
         let Some(o) = &self.out_proj else {
             return Ok(ctx.clone());
         };
+        if !ctx.track_op() {
+            if let Some(y) = o.weight_t.quantized_forward(ctx)? {
+                return add_bias(y, o.bias.as_ref());
+            }
+        }
         Ok(match o.weight_t.cpu_f32() {
             Some(w) if ctx.device().is_cpu() && ctx.dtype() == DType::F32 && !ctx.track_op() => {
                 fused_layer::linear_rows(ctx, w, o.bias.as_ref())?
@@ -460,6 +539,17 @@ fn fused_bias(q: &LinearWeights, k: &LinearWeights, v: &LinearWeights) -> Result
         &[or_zeros(q)?, or_zeros(k)?, or_zeros(v)?],
         0,
     )?))
+}
+
+/// `y + b` (`y` unchanged without a bias).
+///
+/// # Shapes
+/// - `y`: `(n, out)`, `bias`: `(out,)`
+fn add_bias(y: Tensor, bias: Option<&Tensor>) -> Result<Tensor> {
+    Ok(match bias {
+        Some(b) => y.broadcast_add(&b.to_dtype(y.dtype())?)?,
+        None => y,
+    })
 }
 
 /// `x W + b` for a weight already in `(in, out)` form.

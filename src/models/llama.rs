@@ -13,6 +13,7 @@ use serde_json::Value;
 
 use crate::attention::mask::AttentionMask;
 use crate::attention::multi_head::MultiHeadSelfAttention;
+use crate::attention::projections::LayerProjections;
 use crate::attention::sdpa::{scaled_dot_product_attention, SdpaOptions};
 use crate::error::{Error, Result};
 use crate::kernels::decode::gemv::{one_row_gated, one_row_linear};
@@ -249,6 +250,72 @@ impl Embed {
     }
 }
 
+/// The attention projections of a GGUF file's layer under `vb` (`...self_attn`) kept in their
+/// blocks, llama.cpp's rotary row order undone; `None` when one of them is stored in a float
+/// type (the dense path loads those).
+fn quantized_attention(
+    file: &GgufFile,
+    vb: &VarBuilder,
+    cfg: &LlamaConfig,
+) -> Result<Option<LayerProjections>> {
+    let (d, heads) = (cfg.hidden_size, cfg.num_attention_heads);
+    let kv_heads = cfg.num_key_value_heads.unwrap_or(heads);
+    let hd = cfg.rope.head_dim;
+    let weight = |proj: &str, rows: usize, cols: usize| -> Result<Option<QuantWeight>> {
+        let hf = format!("{}.{proj}.weight", vb.prefix());
+        match gguf_layout::gguf_name(&hf) {
+            Some(name) => QuantWeight::from_gguf(file, &name, rows, cols),
+            None => Ok(None),
+        }
+    };
+    let (Some(q), Some(k), Some(v), Some(o)) = (
+        weight("q_proj", heads * hd, d)?,
+        weight("k_proj", kv_heads * hd, d)?,
+        weight("v_proj", kv_heads * hd, d)?,
+        weight("o_proj", d, heads * hd)?,
+    ) else {
+        return Ok(None);
+    };
+    let (q, k) = if gguf_layout::rows_permuted(file)? {
+        (q.unpermuted_rows(heads)?, k.unpermuted_rows(kv_heads)?)
+    } else {
+        (q, k)
+    };
+    let bias = |proj: &str, n: usize| -> Result<Option<Tensor>> {
+        let vb = vb.pp(proj);
+        Ok(if vb.contains_tensor("bias") {
+            Some(vb.get(n, "bias")?.to_dtype(DType::F32)?)
+        } else {
+            None
+        })
+    };
+    let parts = [
+        (bias("q_proj", heads * hd)?, heads * hd),
+        (bias("k_proj", kv_heads * hd)?, kv_heads * hd),
+        (bias("v_proj", kv_heads * hd)?, kv_heads * hd),
+    ];
+    let qkv_bias = if parts.iter().any(|(b, _)| b.is_some()) {
+        let all = parts
+            .into_iter()
+            .map(|(b, n)| match b {
+                Some(b) => Ok(b),
+                None => Ok(Tensor::zeros(n, DType::F32, &Device::Cpu)?),
+            })
+            .collect::<Result<Vec<_>>>()?;
+        Some(Tensor::cat(&all, 0)?)
+    } else {
+        None
+    };
+    let o_bias = bias("o_proj", d)?;
+    Ok(Some(LayerProjections::quantized(
+        [q, k, v],
+        qkv_bias,
+        Some((o, o_bias)),
+        heads,
+        kv_heads,
+    )?))
+}
+
 /// `down(silu(gate(x)) * up(x))`.
 #[derive(Debug, Clone)]
 struct Mlp {
@@ -404,9 +471,17 @@ impl LlamaModel {
                 .with_causal(true)
                 .with_hidden_size(d)
                 .with_head_dim(cfg.rope.head_dim);
+            let quantized = match quant {
+                Some(file) => quantized_attention(file, &l.pp("self_attn"), cfg)?,
+                None => None,
+            };
+            let attn = match quantized {
+                Some(p) => MultiHeadSelfAttention::from_projections(p, &acfg),
+                None => MultiHeadSelfAttention::load(l.pp("self_attn"), &acfg)?,
+            };
             layers.push(DecoderLayer {
                 input_norm: rms(l.pp("input_layernorm"))?,
-                attn: MultiHeadSelfAttention::load(l.pp("self_attn"), &acfg)?,
+                attn,
                 post_norm: rms(l.pp("post_attention_layernorm"))?,
                 mlp: Mlp::load(l.pp("mlp"), cfg, quant)?,
                 window: cfg.window_of(i),

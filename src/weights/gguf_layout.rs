@@ -40,6 +40,12 @@ pub(crate) fn architecture(file: &GgufFile) -> Result<&'static str> {
         })
 }
 
+/// Whether llama.cpp's converter permuted the file's query and key rows for its rotation
+/// (architectures `llama` and `mistral`).
+pub(crate) fn rows_permuted(file: &GgufFile) -> Result<bool> {
+    Ok(matches!(architecture(file)?, "llama" | "mistral"))
+}
+
 /// The metadata of a LLaMA-family file as the `config.json` transformers builds from it.
 pub(crate) fn hf_config(file: &GgufFile) -> Result<Value> {
     let arch = architecture(file)?;
@@ -196,11 +202,11 @@ pub(crate) struct GgufLlamaWeights {
 impl GgufLlamaWeights {
     /// The backend of `file`; `cfg` is its [`hf_config`].
     pub fn new(file: GgufFile, cfg: &Value) -> Result<Self> {
-        let arch = architecture(&file)?;
+        let permuted = rows_permuted(&file)?;
         let heads = cfg["num_attention_heads"].as_u64().unwrap_or(1) as usize;
         let kv_heads = cfg["num_key_value_heads"].as_u64().unwrap_or(heads as u64) as usize;
         Ok(Self {
-            permuted: matches!(arch, "llama" | "mistral").then_some((heads, kv_heads)),
+            permuted: permuted.then_some((heads, kv_heads)),
             file,
         })
     }

@@ -4,6 +4,8 @@
 //! prompt) by the weight dequantized once for the call; both give the values the weight
 //! dequantized to f32 at load would give (the same dequantization, the same f32 kernels).
 
+use std::sync::Arc;
+
 use candle_core::{DType, Device, Module, Tensor, D};
 use candle_nn::Linear;
 
@@ -12,10 +14,19 @@ use crate::kernels::decode::quant_gemv::quant_gemv;
 use crate::kernels::quant::blocks::{self, QuantType};
 use crate::weights::gguf::GgufFile;
 
+/// Where a weight's blocks are.
+#[derive(Clone)]
+enum Blocks {
+    /// In the file's map, as stored.
+    File(GgufFile),
+    /// Rows reordered at load (llama.cpp's rotary order undone).
+    Owned(Arc<Vec<u8>>),
+}
+
 /// A `(rows, cols)` weight of a block type, in its file.
 #[derive(Clone)]
 pub(crate) struct QuantWeight {
-    file: GgufFile,
+    blocks: Blocks,
     name: String,
     ty: QuantType,
     rows: usize,
@@ -56,7 +67,7 @@ impl QuantWeight {
             });
         }
         Ok(Some(Self {
-            file: file.clone(),
+            blocks: Blocks::File(file.clone()),
             name: name.to_string(),
             ty,
             rows,
@@ -65,12 +76,56 @@ impl QuantWeight {
     }
 
     fn data(&self) -> Result<&[u8]> {
-        Ok(self.file.tensor_data(&self.name)?.1)
+        match &self.blocks {
+            Blocks::File(f) => Ok(f.tensor_data(&self.name)?.1),
+            Blocks::Owned(v) => Ok(v),
+        }
+    }
+
+    /// `(rows, cols)`.
+    pub fn dims(&self) -> (usize, usize) {
+        (self.rows, self.cols)
     }
 
     /// The weight dequantized, `(rows, cols)` f32.
     pub fn dequantize(&self, device: &Device) -> Result<Tensor> {
-        self.file.dequantize(&self.name, device)
+        let mut values = vec![0f32; self.rows * self.cols];
+        if !blocks::dequantize(self.ty, self.data()?, &mut values) {
+            return Err(Error::Kernel(format!(
+                "`{}` does not dequantize",
+                self.name
+            )));
+        }
+        Ok(Tensor::from_vec(values, (self.rows, self.cols), device)?)
+    }
+
+    /// The weight with llama.cpp's query/key row permutation undone (transformers'
+    /// `reverse_permute_weights`): per head, row `s * hd / 2 + j` is stored row `2 j + s`.
+    pub fn unpermuted_rows(&self, heads: usize) -> Result<Self> {
+        if heads == 0 || self.rows % (2 * heads) != 0 {
+            return Err(Error::Heads(format!(
+                "`{}`: {} rows do not split into {heads} heads of an even size",
+                self.name, self.rows
+            )));
+        }
+        let row = self
+            .ty
+            .bytes_of(self.cols)
+            .ok_or_else(|| Error::Kernel(format!("`{}`: rows are not whole blocks", self.name)))?;
+        let (hd, data) = (self.rows / heads, self.data()?);
+        let mut out = Vec::with_capacity(data.len());
+        for h in 0..heads {
+            for s in 0..2 {
+                for j in 0..hd / 2 {
+                    let src = h * hd + 2 * j + s;
+                    out.extend_from_slice(&data[src * row..(src + 1) * row]);
+                }
+            }
+        }
+        Ok(Self {
+            blocks: Blocks::Owned(Arc::new(out)),
+            ..self.clone()
+        })
     }
 
     /// `x W^T` for `x` `(..., cols)` f32 on the CPU; returns `(..., rows)`.

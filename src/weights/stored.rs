@@ -8,6 +8,7 @@ use crate::error::Result;
 use crate::kernels::cpu_tensor::CpuF32;
 use crate::kernels::gemm::packed::{self, PackedWeight};
 use crate::kernels::gemm::WeightRef;
+use crate::weights::quantized::QuantWeight;
 
 /// The `(in, out)` form of a `(out, in)` checkpoint weight (the matrix `x W^T` multiplies
 /// by), stored as:
@@ -21,6 +22,9 @@ use crate::kernels::gemm::WeightRef;
 pub(crate) enum StoredWeight {
     Tensor(Tensor),
     Packed(Arc<PackedWeight>),
+    /// GGUF weights in their blocks, `(out_i, in)` each, stacked along the outputs (Q, K, V
+    /// of a fused projection may each have their own type).
+    Quantized(Arc<[QuantWeight]>),
 }
 
 impl StoredWeight {
@@ -40,9 +44,16 @@ impl StoredWeight {
         Ok(Self::Tensor(t.contiguous()?))
     }
 
-    /// The `(in, out)` matrix as a tensor (a copy when packed).
+    /// The `(in, out)` matrix as a tensor (a copy when packed or quantized).
     pub fn tensor(&self) -> Result<Tensor> {
         match self {
+            Self::Quantized(parts) => {
+                let rows = parts
+                    .iter()
+                    .map(|q| q.dequantize(&Device::Cpu))
+                    .collect::<Result<Vec<_>>>()?;
+                Ok(Tensor::cat(&rows, 0)?.t()?) // (in, out)
+            }
             Self::Tensor(t) => Ok(t.clone()),
             Self::Packed(p) => {
                 let (k, n) = p.dims();
@@ -54,6 +65,10 @@ impl StoredWeight {
     /// `(in, out)`.
     pub fn dims(&self) -> Result<(usize, usize)> {
         match self {
+            Self::Quantized(parts) => {
+                let cols = parts.first().map_or(0, |q| q.dims().1);
+                Ok((cols, parts.iter().map(|q| q.dims().0).sum()))
+            }
             Self::Tensor(t) => Ok(t.dims2()?),
             Self::Packed(p) => Ok(p.dims()),
         }
@@ -62,7 +77,7 @@ impl StoredWeight {
     pub fn dtype(&self) -> DType {
         match self {
             Self::Tensor(t) => t.dtype(),
-            Self::Packed(_) => DType::F32,
+            Self::Packed(_) | Self::Quantized(_) => DType::F32,
         }
     }
 
@@ -70,6 +85,7 @@ impl StoredWeight {
         match self {
             Self::Tensor(t) => t.elem_count(),
             Self::Packed(p) => p.dims().0 * p.dims().1,
+            Self::Quantized(parts) => parts.iter().map(|q| q.dims().0 * q.dims().1).sum(),
         }
     }
 
@@ -80,7 +96,20 @@ impl StoredWeight {
             Self::Tensor(t) if t.device().is_cpu() && t.dtype() == DType::F32 => {
                 Some(WeightRef::Tensor(t))
             }
-            Self::Tensor(_) => None,
+            Self::Tensor(_) | Self::Quantized(_) => None,
         }
+    }
+
+    /// `x W` on the blocks for a quantized weight (`x` `(rows, in)` f32 on the CPU); `None`
+    /// for the other forms.
+    pub fn quantized_forward(&self, x: &Tensor) -> Result<Option<Tensor>> {
+        let Self::Quantized(parts) = self else {
+            return Ok(None);
+        };
+        let outs = parts
+            .iter()
+            .map(|q| q.forward(x))
+            .collect::<Result<Vec<_>>>()?;
+        Ok(Some(Tensor::cat(&outs, candle_core::D::Minus1)?))
     }
 }
