@@ -43,6 +43,18 @@ fn prompt_of(case: &str) -> anyhow::Result<Vec<u32>> {
         .to_vec1()?)
 }
 
+/// The two models give the same prompt logits (bit for bit) and greedy ids.
+fn assert_same(what: &str, a: &LlamaModel, b: &LlamaModel, prompt: &[u32]) -> anyhow::Result<()> {
+    let (la, ids_a) = run(a, prompt)?;
+    let (lb, ids_b) = run(b, prompt)?;
+    assert_eq!(ids_a, ids_b, "{what}: greedy ids");
+    assert!(
+        la.iter().zip(&lb).all(|(x, y)| x.to_bits() == y.to_bits()),
+        "{what}: logits differ"
+    );
+    Ok(())
+}
+
 #[test]
 fn an_f32_gguf_file_is_the_safetensors_model_bit_for_bit() -> anyhow::Result<()> {
     for case in CASES {
@@ -50,14 +62,7 @@ fn an_f32_gguf_file_is_the_safetensors_model_bit_for_bit() -> anyhow::Result<()>
         let dir = repo_path(&format!("tests/fixtures/decoders/{case}"));
         let from_gguf = LlamaModel::from_gguf(&gguf, DType::F32, &Device::Cpu)?;
         let from_dir = LlamaModel::from_dir(&dir, DType::F32, &Device::Cpu)?;
-        let prompt = prompt_of(case)?;
-        let (a, ids_a) = run(&from_gguf, &prompt)?;
-        let (b, ids_b) = run(&from_dir, &prompt)?;
-        assert_eq!(ids_a, ids_b, "{case}: greedy ids");
-        assert!(
-            a.iter().zip(&b).all(|(x, y)| x.to_bits() == y.to_bits()),
-            "{case}: logits differ"
-        );
+        assert_same(case, &from_gguf, &from_dir, &prompt_of(case)?)?;
         // The configuration read from the metadata is the config.json's.
         let cfg = LlamaConfig::from_gguf(&GgufFile::open(&gguf)?)?;
         let want = LlamaConfig::from_file(dir.join("config.json"))?;
@@ -88,14 +93,12 @@ fn a_quantized_gguf_file_is_what_transformers_loads_from_it() -> anyhow::Result<
             let dir = repo_path(&format!("tests/fixtures/gguf/{case}.{ty}"));
             let from_gguf = LlamaModel::from_gguf(&gguf, DType::F32, &Device::Cpu)?;
             let from_dir = LlamaModel::from_dir(&dir, DType::F32, &Device::Cpu)?;
-            let prompt = prompt_of(case)?;
-            let (a, ids_a) = run(&from_gguf, &prompt)?;
-            let (b, ids_b) = run(&from_dir, &prompt)?;
-            assert_eq!(ids_a, ids_b, "{case} {ty}: greedy ids");
-            assert!(
-                a.iter().zip(&b).all(|(x, y)| x.to_bits() == y.to_bits()),
-                "{case} {ty}: logits differ"
-            );
+            assert_same(
+                &format!("{case} {ty}"),
+                &from_gguf,
+                &from_dir,
+                &prompt_of(case)?,
+            )?;
         }
     }
     Ok(())

@@ -299,15 +299,7 @@ impl SimpleBackend for Checkpoint {
         let tensor = self
             .load_checked(name, dtype, dev)
             .map_err(Error::into_candle)?;
-        if tensor.shape() != &s {
-            return Err(Error::ShapeMismatch {
-                tensor: name.to_string(),
-                expected: format!("{:?}", s.dims()),
-                found: tensor.dims().to_vec(),
-            }
-            .into_candle());
-        }
-        Ok(tensor)
+        of_shape(tensor, &s, || name.to_string())
     }
 
     fn get_unchecked(&self, name: &str, dtype: DType, dev: &Device) -> candle_core::Result<Tensor> {
@@ -318,6 +310,24 @@ impl SimpleBackend for Checkpoint {
     fn contains_tensor(&self, name: &str) -> bool {
         self.contains(name)
     }
+}
+
+/// `t` when it has shape `s`; otherwise a shape error naming the tensor (`what()`), for a
+/// `VarBuilder` backend's `get`.
+pub(crate) fn of_shape(
+    t: Tensor,
+    s: &Shape,
+    what: impl FnOnce() -> String,
+) -> candle_core::Result<Tensor> {
+    if t.shape() != s {
+        return Err(Error::ShapeMismatch {
+            tensor: what(),
+            expected: format!("{:?}", s.dims()),
+            found: t.dims().to_vec(),
+        }
+        .into_candle());
+    }
+    Ok(t)
 }
 
 /// Checks what can be checked before mapping: the file exists, is a file, is not empty

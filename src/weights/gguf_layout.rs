@@ -16,6 +16,7 @@ use candle_nn::var_builder::SimpleBackend;
 use serde_json::{json, Map, Value};
 
 use crate::error::{Error, Result};
+use crate::weights::checkpoint::of_shape;
 use crate::weights::gguf::GgufFile;
 
 /// The architectures this crate runs, as `general.architecture` names them, with the
@@ -260,15 +261,10 @@ impl SimpleBackend for GgufLlamaWeights {
         dev: &Device,
     ) -> candle_core::Result<Tensor> {
         let t = self.load(name, dtype, dev).map_err(Error::into_candle)?;
-        if t.shape() != &s {
-            return Err(Error::ShapeMismatch {
-                tensor: gguf_name(name).unwrap_or_else(|| name.to_string()),
-                expected: format!("{:?} (`{name}`)", s.dims()),
-                found: t.dims().to_vec(),
-            }
-            .into_candle());
-        }
-        Ok(t)
+        of_shape(t, &s, || match gguf_name(name) {
+            Some(g) => format!("{g} (`{name}`)"),
+            None => name.to_string(),
+        })
     }
 
     fn get_unchecked(&self, name: &str, dtype: DType, dev: &Device) -> candle_core::Result<Tensor> {
