@@ -1,0 +1,57 @@
+#!/usr/bin/env bash
+# GGUF models: ours (examples/generate.rs) against llama.cpp (llama-cpp-python, built from
+# source with native flags) on the same files, side by side, THREADS threads each, with each
+# file's bandwidth bound.
+#
+#   benches/gguf.sh [FILE.gguf ...]     (default: models/SmolLM2-135M-Instruct.*.gguf)
+#   THREADS=2 ROUNDS=3 PYTHON=python3
+#
+# Decode: 64 greedy tokens after "The capital of France is", EOS ignored, tokens/s of the
+# decode steps. Prefill: a 512-token prompt, tokens/s. Each tool keeps its best of ROUNDS.
+# Peak RSS: each process's. The bound: a decode step reads every weight once (the tied
+# output head reads the whole embedding), so read bandwidth (examples/bench.rs
+# --bandwidth) / the file's bytes bounds tokens/s.
+# Needs (the peer's side): CMAKE_ARGS="-DGGML_NATIVE=ON -DLLAVA_BUILD=OFF" pip install
+# llama-cpp-python==0.3.36; without it, our rows only.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+THREADS="${THREADS:-2}"
+ROUNDS="${ROUNDS:-3}"
+PY="${PYTHON:-python3}"
+export RAYON_NUM_THREADS="$THREADS" OMP_NUM_THREADS="$THREADS"
+files=("$@")
+if [ ${#files[@]} -eq 0 ]; then
+  shopt -s nullglob
+  files=(models/SmolLM2-135M-Instruct.*.gguf)
+fi
+[ ${#files[@]} -gt 0 ] || { echo "no .gguf files (scripts/fetch_smollm2_gguf.sh fetches one)" >&2; exit 2; }
+cargo build --release --example generate --example bench >&2
+BIN="${CARGO_TARGET_DIR:-target}/release/examples"
+BW="$("$BIN/bench" --bandwidth --json | "$PY" -c 'import json, sys; print(json.load(sys.stdin)["read_bandwidth_gb_s"])')"
+echo "read bandwidth ($THREADS threads): $BW GB/s; $(grep -m1 'model name' /proc/cpuinfo | cut -d: -f2)" >&2
+have_llama=0
+"$PY" -c 'import llama_cpp' 2>/dev/null && have_llama=1
+IDS="$("$PY" -c 'print(",".join(str(i) for i in ([504, 3575, 282, 4649, 314] * 120)[:512]))')"
+field() { "$PY" -c "import json, sys; print(json.loads(sys.stdin.read().strip().splitlines()[0])['$1'])"; }
+printf '| file | tool | decode tok/s | prefill-512 tok/s | peak RSS MB | decode / bound |\n|---|---|---|---|---|---|\n'
+for f in "${files[@]}"; do
+  bytes="$(stat -c %s "$f")"
+  bound="$(awk -v bw="$BW" -v b="$bytes" 'BEGIN { printf "%.0f", bw * 1e9 / b }')"
+  best_dec=0; best_pre=0; rss=0
+  for _ in $(seq "$ROUNDS"); do
+    dec="$("$BIN/generate" --model "$f" --prompt "The capital of France is" --max-new-tokens 64 --ignore-eos --format json | field decode_tokens_per_s)"
+    out="$( { /usr/bin/time -f '%M' "$BIN/generate" --model "$f" --prompt-ids "$IDS" --max-new-tokens 2 --format json; } 2>&1)"
+    pre="$(echo "$out" | field prefill_ms | awk '{ printf "%.1f", 512 / ($1 / 1000) }')"
+    kb="$(echo "$out" | tail -n 1)"
+    best_dec="$(awk -v a="$best_dec" -v b="$dec" 'BEGIN { print (b > a) ? b : a }')"
+    best_pre="$(awk -v a="$best_pre" -v b="$pre" 'BEGIN { print (b > a) ? b : a }')"
+    rss="$(awk -v a="$rss" -v b="$kb" 'BEGIN { print (b > a) ? b : a }')"
+  done
+  printf '| %s | ours | %.1f | %.0f | %.0f | %.0f%% of %s |\n' "$(basename "$f")" "$best_dec" "$best_pre" "$(awk -v k="$rss" 'BEGIN { print k / 1024 }')" "$(awk -v d="$best_dec" -v b="$bound" 'BEGIN { print 100 * d / b }')" "$bound"
+  if [ "$have_llama" = 1 ]; then
+    j="$("$PY" benches/llamacpp_gguf.py "$f" "$THREADS" "$ROUNDS" 2>/dev/null)"
+    printf '| %s | %s | %.1f | %.0f | %.0f | %.0f%% of %s |\n' "$(basename "$f")" "$(echo "$j" | field tool)" \
+      "$(echo "$j" | field decode_tokens_per_s)" "$(echo "$j" | field prefill_tokens_per_s)" "$(echo "$j" | field peak_rss_mb)" \
+      "$(awk -v d="$(echo "$j" | field decode_tokens_per_s)" -v b="$bound" 'BEGIN { print 100 * d / b }')" "$bound"
+  fi
+done
