@@ -36,15 +36,6 @@ pub(crate) fn supports(ty: QuantType) -> bool {
     }
 }
 
-/// The f16 at `b[at..at + 2]` as f32, with the CPU's conversion (exact, as `half`'s).
-#[cfg(target_arch = "x86_64")]
-#[inline]
-#[target_feature(enable = "avx512f")]
-unsafe fn half_at(b: &[u8], at: usize) -> f32 {
-    let bits = u16::from_le_bytes([b[at], b[at + 1]]);
-    _mm_cvtss_f32(_mm_cvtph_ps(_mm_cvtsi32_si128(i32::from(bits))))
-}
-
 /// `sum_k W[k] x[k]` for one row (`row`: whole blocks of `ty`, `x.len()` values); `None` when
 /// this CPU or type has no kernel here, or the sizes do not fit.
 pub(crate) fn row_dot(ty: QuantType, row: &[u8], x: &[f32]) -> Option<f32> {
@@ -62,68 +53,124 @@ pub(crate) fn row_dot(ty: QuantType, row: &[u8], x: &[f32]) -> Option<f32> {
     }
 }
 
+/// The block kinds, as const parameters: one loop compiled per type.
+const Q8_0: u8 = 0;
+const Q4_0: u8 = 1;
+const Q4_1: u8 = 2;
+const Q5_0: u8 = 3;
+const Q5_1: u8 = 4;
+
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx512f")]
 unsafe fn row_dot_avx512(ty: QuantType, row: &[u8], x: &[f32]) -> f32 {
-    let size = ty.block_bytes();
-    let (mut lo_acc, mut hi_acc) = (_mm512_setzero_ps(), _mm512_setzero_ps());
-    let nibbles = _mm_set1_epi8(0x0F);
-    for (b, xs) in row.chunks_exact(size).zip(x.chunks_exact(32)) {
-        let d = _mm512_set1_ps(half_at(b, 0));
-        // The 32 values as two halves of 16 lanes: value j and value 16 + j.
-        let (lo, hi) = match ty {
-            QuantType::Q8_0 => {
-                let q = b.as_ptr().add(2) as *const __m128i;
-                let lo = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(q)));
-                let hi = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(q.add(1))));
-                // gguf-py: q * d.
-                (_mm512_mul_ps(lo, d), _mm512_mul_ps(hi, d))
-            }
-            _ => {
-                let (qs_at, qh_at, m) = match ty {
-                    QuantType::Q4_0 => (2, None, None),
-                    QuantType::Q4_1 => (4, None, Some(half_at(b, 2))),
-                    QuantType::Q5_0 => (6, Some(2), None),
-                    _ => (8, Some(4), Some(half_at(b, 2))), // Q5_1
-                };
-                let v = _mm_loadu_si128(b.as_ptr().add(qs_at) as *const __m128i);
-                let mut lo = _mm512_cvtepu8_epi32(_mm_and_si128(v, nibbles));
-                let mut hi = _mm512_cvtepu8_epi32(_mm_and_si128(_mm_srli_epi16(v, 4), nibbles));
-                if let Some(at) = qh_at {
-                    // The fifth bits: bit j of `qh` for value j.
-                    let qh = u32::from_le_bytes([b[at], b[at + 1], b[at + 2], b[at + 3]]);
-                    let sixteen = _mm512_set1_epi32(16);
-                    lo = _mm512_mask_add_epi32(lo, qh as u16, lo, sixteen);
-                    hi = _mm512_mask_add_epi32(hi, (qh >> 16) as u16, hi, sixteen);
-                }
-                let offset = match ty {
-                    QuantType::Q4_0 => 8,
-                    QuantType::Q5_0 => 16,
-                    _ => 0,
-                };
-                if offset != 0 {
-                    let o = _mm512_set1_epi32(offset);
-                    lo = _mm512_sub_epi32(lo, o);
-                    hi = _mm512_sub_epi32(hi, o);
-                }
-                let (lo, hi) = (
-                    _mm512_mul_ps(d, _mm512_cvtepi32_ps(lo)),
-                    _mm512_mul_ps(d, _mm512_cvtepi32_ps(hi)),
-                );
-                match m {
-                    Some(m) => {
-                        let m = _mm512_set1_ps(m);
-                        (_mm512_add_ps(lo, m), _mm512_add_ps(hi, m))
-                    }
-                    None => (lo, hi),
-                }
-            }
-        };
-        let xp = xs.as_ptr();
-        lo_acc = _mm512_fmadd_ps(lo, _mm512_loadu_ps(xp), lo_acc);
-        hi_acc = _mm512_fmadd_ps(hi, _mm512_loadu_ps(xp.add(16)), hi_acc);
+    match ty {
+        QuantType::Q8_0 => dot_blocks::<Q8_0>(row, x),
+        QuantType::Q4_0 => dot_blocks::<Q4_0>(row, x),
+        QuantType::Q4_1 => dot_blocks::<Q4_1>(row, x),
+        QuantType::Q5_0 => dot_blocks::<Q5_0>(row, x),
+        _ => dot_blocks::<Q5_1>(row, x),
     }
-    _mm512_reduce_add_ps(_mm512_add_ps(lo_acc, hi_acc))
+}
+
+/// Bytes of a block of kind `K`.
+const fn block_bytes(k: u8) -> usize {
+    match k {
+        Q8_0 => 34,
+        Q4_0 => 18,
+        Q4_1 => 20,
+        Q5_0 => 22,
+        _ => 24,
+    }
+}
+
+/// The dot product of whole `K` blocks with `x`: four accumulators (two blocks in flight),
+/// one horizontal sum at the end.
+///
+/// # Safety
+/// AVX-512F; `row` holds `x.len() / 32` whole blocks.
+#[cfg(target_arch = "x86_64")]
+#[inline]
+#[target_feature(enable = "avx512f")]
+unsafe fn dot_blocks<const K: u8>(row: &[u8], x: &[f32]) -> f32 {
+    let size = block_bytes(K);
+    let n = x.len() / 32;
+    let (bp, xp) = (row.as_ptr(), x.as_ptr());
+    let mut acc = [_mm512_setzero_ps(); 4];
+    let mut i = 0;
+    while i + 2 <= n {
+        for u in 0..2 {
+            let (lo, hi) = block_values::<K>(bp.add((i + u) * size));
+            let xb = xp.add((i + u) * 32);
+            acc[2 * u] = _mm512_fmadd_ps(lo, _mm512_loadu_ps(xb), acc[2 * u]);
+            acc[2 * u + 1] = _mm512_fmadd_ps(hi, _mm512_loadu_ps(xb.add(16)), acc[2 * u + 1]);
+        }
+        i += 2;
+    }
+    if i < n {
+        let (lo, hi) = block_values::<K>(bp.add(i * size));
+        let xb = xp.add(i * 32);
+        acc[0] = _mm512_fmadd_ps(lo, _mm512_loadu_ps(xb), acc[0]);
+        acc[1] = _mm512_fmadd_ps(hi, _mm512_loadu_ps(xb.add(16)), acc[1]);
+    }
+    let sum = _mm512_add_ps(_mm512_add_ps(acc[0], acc[1]), _mm512_add_ps(acc[2], acc[3]));
+    _mm512_reduce_add_ps(sum)
+}
+
+/// The f16 at `p` as f32, with the CPU's conversion (exact, as `half`'s).
+#[cfg(target_arch = "x86_64")]
+#[inline]
+#[target_feature(enable = "avx512f")]
+unsafe fn half_at_ptr(p: *const u8) -> f32 {
+    let bits = u16::from_le_bytes([*p, *p.add(1)]);
+    _mm_cvtss_f32(_mm_cvtph_ps(_mm_cvtsi32_si128(i32::from(bits))))
+}
+
+/// The 32 values of the block at `b` as two halves of 16 lanes (values `j` and `16 + j`),
+/// each made as gguf-py makes it: `q * d`, `d * (q - 8)`, `d * q + m`, `d * (q - 16)`.
+///
+/// # Safety
+/// AVX-512F; `b` points at a whole block of kind `K`.
+#[cfg(target_arch = "x86_64")]
+#[inline]
+#[target_feature(enable = "avx512f")]
+unsafe fn block_values<const K: u8>(b: *const u8) -> (__m512, __m512) {
+    let d = _mm512_set1_ps(half_at_ptr(b));
+    if K == Q8_0 {
+        let q = b.add(2) as *const __m128i;
+        let lo = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(q)));
+        let hi = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(q.add(1))));
+        return (_mm512_mul_ps(lo, d), _mm512_mul_ps(hi, d));
+    }
+    let qs_at = match K {
+        Q4_0 => 2,
+        Q4_1 => 4,
+        Q5_0 => 6,
+        _ => 8,
+    };
+    let nibbles = _mm_set1_epi8(0x0F);
+    let v = _mm_loadu_si128(b.add(qs_at) as *const __m128i);
+    let mut lo = _mm512_cvtepu8_epi32(_mm_and_si128(v, nibbles));
+    let mut hi = _mm512_cvtepu8_epi32(_mm_and_si128(_mm_srli_epi16(v, 4), nibbles));
+    if K == Q5_0 || K == Q5_1 {
+        // The fifth bits: bit j of `qh` for value j.
+        let at = if K == Q5_0 { 2 } else { 4 };
+        let qh = u32::from_le_bytes([*b.add(at), *b.add(at + 1), *b.add(at + 2), *b.add(at + 3)]);
+        let sixteen = _mm512_set1_epi32(16);
+        lo = _mm512_mask_add_epi32(lo, qh as u16, lo, sixteen);
+        hi = _mm512_mask_add_epi32(hi, (qh >> 16) as u16, hi, sixteen);
+    }
+    if K == Q4_0 || K == Q5_0 {
+        let o = _mm512_set1_epi32(if K == Q4_0 { 8 } else { 16 });
+        lo = _mm512_sub_epi32(lo, o);
+        hi = _mm512_sub_epi32(hi, o);
+    }
+    let lo = _mm512_mul_ps(d, _mm512_cvtepi32_ps(lo));
+    let hi = _mm512_mul_ps(d, _mm512_cvtepi32_ps(hi));
+    if K == Q4_1 || K == Q5_1 {
+        let m = _mm512_set1_ps(half_at_ptr(b.add(2)));
+        return (_mm512_add_ps(lo, m), _mm512_add_ps(hi, m));
+    }
+    (lo, hi)
 }
 
 #[cfg(test)]
@@ -143,7 +190,7 @@ mod tests {
         for bits in (0..=u16::MAX).step_by(7) {
             let b = bits.to_le_bytes();
             // SAFETY: AVX-512F checked above.
-            let got = unsafe { half_at(&b, 0) };
+            let got = unsafe { half_at_ptr(b.as_ptr()) };
             let want = half::f16::from_bits(bits).to_f32();
             assert!(
                 got.to_bits() == want.to_bits() || (got.is_nan() && want.is_nan()),
