@@ -1,8 +1,8 @@
 //! AVX-512 dot products of one GGUF weight row with `x`, for the 32-value block types
-//! (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0): each block is unpacked in registers, its values made
-//! exactly as gguf-py makes them (`d * q + m` as a product then a sum, two roundings, never
-//! one fused step), and multiplied into f32 accumulators as they go, so the weight is read
-//! once and never written out.
+//! (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0) and the K-quants of Q4_K_M files (Q4_K, Q6_K): each block
+//! is unpacked in registers, its values made exactly as gguf-py makes them (`d * q + m` as a
+//! product then a sum, two roundings, never one fused step), and multiplied into f32
+//! accumulators as they go, so the weight is read once and never written out.
 
 // The AVX-512 intrinsics are stable since Rust 1.89, above the `rust-version` the manifest
 // declares; candle-core 0.11 itself needs 1.89 on x86-64 (as in `microkernel.rs`).
@@ -68,8 +68,119 @@ unsafe fn row_dot_avx512(ty: QuantType, row: &[u8], x: &[f32]) -> f32 {
         QuantType::Q4_0 => dot_blocks::<Q4_0>(row, x),
         QuantType::Q4_1 => dot_blocks::<Q4_1>(row, x),
         QuantType::Q5_0 => dot_blocks::<Q5_0>(row, x),
+        QuantType::Q4K => dot_q4_k(row, x),
+        QuantType::Q6K => dot_q6_k(row, x),
         _ => dot_blocks::<Q5_1>(row, x),
     }
+}
+
+/// Scale and min of group `j` (0..8) of a Q4_K block's 12 scale bytes at `q`.
+#[inline(always)]
+unsafe fn scale_min_k4(j: usize, q: *const u8) -> (u8, u8) {
+    if j < 4 {
+        (*q.add(j) & 63, *q.add(j + 4) & 63)
+    } else {
+        (
+            (*q.add(j + 4) & 0x0F) | ((*q.add(j - 4) >> 6) << 4),
+            (*q.add(j + 4) >> 4) | ((*q.add(j) >> 6) << 4),
+        )
+    }
+}
+
+/// `acc += (dl * q - ml) * x` for 16 unsigned byte values `q` (gguf-py's Q4_K / Q2_K form:
+/// the product, then the difference).
+#[cfg(target_arch = "x86_64")]
+#[inline]
+#[target_feature(enable = "avx512f")]
+unsafe fn fma_scaled_min(q: __m128i, dl: __m512, ml: __m512, x: *const f32, acc: __m512) -> __m512 {
+    let w = _mm512_sub_ps(
+        _mm512_mul_ps(dl, _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(q))),
+        ml,
+    );
+    _mm512_fmadd_ps(w, _mm512_loadu_ps(x), acc)
+}
+
+/// Q4_K rows: `{ f16 d; f16 dmin; u8 scales[12]; u8 qs[128] }` per 256 values; group `g`
+/// is `d * sc_g * q - dmin * m_g` over the low (even `g`) or high (odd) nibbles of
+/// `qs[32 (g / 2)..][..32]`.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f")]
+unsafe fn dot_q4_k(row: &[u8], x: &[f32]) -> f32 {
+    let (bp, xp) = (row.as_ptr(), x.as_ptr());
+    let mut acc = [_mm512_setzero_ps(); 4];
+    let nibbles = _mm256_set1_epi8(0x0F);
+    for blk in 0..x.len() / 256 {
+        let b = bp.add(blk * 144);
+        let (d, dmin) = (half_at_ptr(b), half_at_ptr(b.add(2)));
+        let sc = b.add(4);
+        for p in 0..4 {
+            let qs = _mm256_loadu_si256(b.add(16 + 32 * p) as *const __m256i);
+            for (h, q) in [
+                _mm256_and_si256(qs, nibbles),
+                _mm256_and_si256(_mm256_srli_epi16(qs, 4), nibbles),
+            ]
+            .into_iter()
+            .enumerate()
+            {
+                let g = 2 * p + h;
+                let (s, m) = scale_min_k4(g, sc);
+                let dl = _mm512_set1_ps(d * s as f32);
+                let ml = _mm512_set1_ps(dmin * m as f32);
+                let xg = xp.add(blk * 256 + 32 * g);
+                let (lo, hi) = (_mm256_castsi256_si128(q), _mm256_extracti128_si256(q, 1));
+                acc[2 * h] = fma_scaled_min(lo, dl, ml, xg, acc[2 * h]);
+                acc[2 * h + 1] = fma_scaled_min(hi, dl, ml, xg.add(16), acc[2 * h + 1]);
+            }
+        }
+    }
+    let sum = _mm512_add_ps(_mm512_add_ps(acc[0], acc[1]), _mm512_add_ps(acc[2], acc[3]));
+    _mm512_reduce_add_ps(sum)
+}
+
+/// Q6_K rows: `{ u8 ql[128]; u8 qh[64]; i8 scales[16]; f16 d }` per 256 values; value
+/// `128 h + 32 t + l` is `(d * scales[8 h + 2 t + l / 16]) * (q - 32)` with the low four
+/// bits from `ql[64 h + 32 (t % 2) + l] >> 4 (t / 2)` and the high two from
+/// `qh[32 h + l] >> 2 t`.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f")]
+unsafe fn dot_q6_k(row: &[u8], x: &[f32]) -> f32 {
+    let (bp, xp) = (row.as_ptr(), x.as_ptr());
+    let mut acc = [_mm512_setzero_ps(); 4];
+    let (nibbles, twos) = (_mm256_set1_epi8(0x0F), _mm256_set1_epi8(0x03));
+    let thirty_two = _mm512_set1_epi32(32);
+    for blk in 0..x.len() / 256 {
+        let b = bp.add(blk * 210);
+        let d = half_at_ptr(b.add(208));
+        let scales = b.add(192) as *const i8;
+        for h in 0..2 {
+            let qh = _mm256_loadu_si256(b.add(128 + 32 * h) as *const __m256i);
+            for t in 0..4 {
+                let ql = _mm256_loadu_si256(b.add(64 * h + 32 * (t % 2)) as *const __m256i);
+                let low = if t / 2 == 0 {
+                    _mm256_and_si256(ql, nibbles)
+                } else {
+                    _mm256_and_si256(_mm256_srli_epi16(ql, 4), nibbles)
+                };
+                let high =
+                    _mm256_and_si256(_mm256_srl_epi16(qh, _mm_cvtsi32_si128(2 * t as i32)), twos);
+                let q = _mm256_or_si256(low, _mm256_slli_epi16(high, 4));
+                for (half, q16) in [_mm256_castsi256_si128(q), _mm256_extracti128_si256(q, 1)]
+                    .into_iter()
+                    .enumerate()
+                {
+                    let g = 8 * h + 2 * t + half;
+                    let dl = _mm512_set1_ps(d * f32::from(*scales.add(g)));
+                    let v = _mm512_sub_epi32(_mm512_cvtepu8_epi32(q16), thirty_two);
+                    let w = _mm512_mul_ps(dl, _mm512_cvtepi32_ps(v));
+                    let xv = _mm512_loadu_ps(xp.add(blk * 256 + 128 * h + 32 * t + 16 * half));
+                    let a = 2 * (t % 2) + half;
+                    acc[a] = _mm512_fmadd_ps(w, xv, acc[a]);
+                }
+            }
+        }
+    }
+    let sum = _mm512_add_ps(_mm512_add_ps(acc[0], acc[1]), _mm512_add_ps(acc[2], acc[3]));
+    _mm512_reduce_add_ps(sum)
 }
 
 /// Bytes of a block of kind `K`.
@@ -207,11 +318,13 @@ mod tests {
             (QuantType::Q5_0, GgmlDType::Q5_0),
             (QuantType::Q5_1, GgmlDType::Q5_1),
             (QuantType::Q8_0, GgmlDType::Q8_0),
+            (QuantType::Q4K, GgmlDType::Q4K),
+            (QuantType::Q6K, GgmlDType::Q6K),
         ] {
             if !supports(ty) {
                 continue;
             }
-            let (rows, cols) = (9, 576);
+            let (rows, cols) = (9, 768);
             let w = crate::kernels::test_values(rows * cols, 11);
             let q = QTensor::quantize(&Tensor::from_vec(w, (rows, cols), &Device::Cpu)?, g)?;
             let bytes = q.data()?;
