@@ -115,22 +115,38 @@ unsafe fn dot_q4_k(row: &[u8], x: &[f32]) -> f32 {
         let sc = b.add(4);
         for p in 0..4 {
             let qs = _mm256_loadu_si256(b.add(16 + 32 * p) as *const __m256i);
-            for (h, q) in [
+            let (ql, qh) = (
                 _mm256_and_si256(qs, nibbles),
                 _mm256_and_si256(_mm256_srli_epi16(qs, 4), nibbles),
-            ]
-            .into_iter()
-            .enumerate()
-            {
-                let g = 2 * p + h;
-                let (s, m) = scale_min_k4(g, sc);
-                let dl = _mm512_set1_ps(d * s as f32);
-                let ml = _mm512_set1_ps(dmin * m as f32);
-                let xg = xp.add(blk * 256 + 32 * g);
-                let (lo, hi) = (_mm256_castsi256_si128(q), _mm256_extracti128_si256(q, 1));
-                acc[2 * h] = fma_scaled_min(lo, dl, ml, xg, acc[2 * h]);
-                acc[2 * h + 1] = fma_scaled_min(hi, dl, ml, xg.add(16), acc[2 * h + 1]);
-            }
+            );
+            let xg = xp.add(blk * 256 + 64 * p);
+            // Group 2p: the low nibbles; group 2p + 1: the high ones.
+            let (s0, m0) = scale_min_k4(2 * p, sc);
+            let (s1, m1) = scale_min_k4(2 * p + 1, sc);
+            let (dl0, ml0) = (
+                _mm512_set1_ps(d * s0 as f32),
+                _mm512_set1_ps(dmin * m0 as f32),
+            );
+            let (dl1, ml1) = (
+                _mm512_set1_ps(d * s1 as f32),
+                _mm512_set1_ps(dmin * m1 as f32),
+            );
+            acc[0] = fma_scaled_min(_mm256_castsi256_si128(ql), dl0, ml0, xg, acc[0]);
+            acc[1] = fma_scaled_min(
+                _mm256_extracti128_si256(ql, 1),
+                dl0,
+                ml0,
+                xg.add(16),
+                acc[1],
+            );
+            acc[2] = fma_scaled_min(_mm256_castsi256_si128(qh), dl1, ml1, xg.add(32), acc[2]);
+            acc[3] = fma_scaled_min(
+                _mm256_extracti128_si256(qh, 1),
+                dl1,
+                ml1,
+                xg.add(48),
+                acc[3],
+            );
         }
     }
     let sum = _mm512_add_ps(_mm512_add_ps(acc[0], acc[1]), _mm512_add_ps(acc[2], acc[3]));
@@ -164,18 +180,21 @@ unsafe fn dot_q6_k(row: &[u8], x: &[f32]) -> f32 {
                 let high =
                     _mm256_and_si256(_mm256_srl_epi16(qh, _mm_cvtsi32_si128(2 * t as i32)), twos);
                 let q = _mm256_or_si256(low, _mm256_slli_epi16(high, 4));
-                for (half, q16) in [_mm256_castsi256_si128(q), _mm256_extracti128_si256(q, 1)]
-                    .into_iter()
-                    .enumerate()
-                {
-                    let g = 8 * h + 2 * t + half;
-                    let dl = _mm512_set1_ps(d * f32::from(*scales.add(g)));
-                    let v = _mm512_sub_epi32(_mm512_cvtepu8_epi32(q16), thirty_two);
-                    let w = _mm512_mul_ps(dl, _mm512_cvtepi32_ps(v));
-                    let xv = _mm512_loadu_ps(xp.add(blk * 256 + 128 * h + 32 * t + 16 * half));
-                    let a = 2 * (t % 2) + half;
-                    acc[a] = _mm512_fmadd_ps(w, xv, acc[a]);
-                }
+                let g = 8 * h + 2 * t;
+                let dl0 = _mm512_set1_ps(d * f32::from(*scales.add(g)));
+                let dl1 = _mm512_set1_ps(d * f32::from(*scales.add(g + 1)));
+                let v0 =
+                    _mm512_sub_epi32(_mm512_cvtepu8_epi32(_mm256_castsi256_si128(q)), thirty_two);
+                let v1 = _mm512_sub_epi32(
+                    _mm512_cvtepu8_epi32(_mm256_extracti128_si256(q, 1)),
+                    thirty_two,
+                );
+                let xv = xp.add(blk * 256 + 128 * h + 32 * t);
+                let a = 2 * (t % 2);
+                let w0 = _mm512_mul_ps(dl0, _mm512_cvtepi32_ps(v0));
+                let w1 = _mm512_mul_ps(dl1, _mm512_cvtepi32_ps(v1));
+                acc[a] = _mm512_fmadd_ps(w0, _mm512_loadu_ps(xv), acc[a]);
+                acc[a + 1] = _mm512_fmadd_ps(w1, _mm512_loadu_ps(xv.add(16)), acc[a + 1]);
             }
         }
     }
