@@ -1,8 +1,8 @@
 //! A projection or embedding weight kept as a GGUF file stores it (ggml blocks, read from the
-//! file's memory map), so that a quantized model stays near its file size in memory. One
-//! input row (a decode step) is multiplied on the blocks as they are read; several rows (a
-//! prompt) by the weight dequantized once for the call; both give the values the weight
-//! dequantized to f32 at load would give (the same dequantization, the same f32 kernels).
+//! file's memory map), so that a quantized model stays near its file size in memory. A few
+//! input rows (a decode step, a short prompt) are multiplied on the blocks as they are read;
+//! more rows (a prompt) by the weight dequantized once for the call, with the f32 kernels.
+//! The weight's values are gguf-py's either way.
 
 use std::sync::Arc;
 
@@ -22,6 +22,10 @@ enum Blocks {
     /// Rows reordered at load (llama.cpp's rotary order undone).
     Owned(Arc<Vec<u8>>),
 }
+
+/// Up to this many input rows are multiplied on the blocks row by row; more by the weight
+/// dequantized once for the call (a prompt).
+const FEW_ROWS: usize = 8;
 
 /// A `(rows, cols)` weight of a block type, in its file.
 #[derive(Clone)]
@@ -138,10 +142,15 @@ impl QuantWeight {
                 format!("{:?} {:?} on {:?}", x.dims(), x.dtype(), x.device()),
             ));
         }
-        if x.elem_count() == inp {
+        let rows = x.elem_count() / inp.max(1);
+        if rows <= FEW_ROWS {
+            // One pass over the blocks per row: cheaper than dequantizing the whole weight.
             let xs: Vec<f32> = x.flatten_all()?.to_vec1()?;
-            let mut y = vec![0f32; self.rows];
-            quant_gemv(self.ty, self.data()?, &xs, None, &mut y)?;
+            let mut y = vec![0f32; rows * self.rows];
+            let data = self.data()?;
+            for (xr, yr) in xs.chunks_exact(inp).zip(y.chunks_exact_mut(self.rows)) {
+                quant_gemv(self.ty, data, xr, None, yr)?;
+            }
             let mut shape = x.dims().to_vec();
             if let Some(last) = shape.last_mut() {
                 *last = self.rows;
