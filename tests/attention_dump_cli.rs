@@ -995,6 +995,24 @@ fn bad_models_are_errors_that_name_the_problem() -> anyhow::Result<()> {
         &["--model", "/nonexistent/dir", "hi"],
         &["/nonexistent/dir"],
     )?;
+    // GGUF files: missing, not GGUF, or without tokenizer metadata.
+    expect_error(
+        &["--model", "/nonexistent/model.gguf", "hi"],
+        &["/nonexistent/model.gguf"],
+    )?;
+    let not_gguf = repo_path("weights/config.json");
+    let renamed = TempDir::new("not-gguf")?;
+    let fake = renamed.file("model.gguf");
+    std::fs::copy(&not_gguf, &fake)?;
+    expect_error(
+        &["--model", path_str(&fake)?, "hi"],
+        &["model.gguf", "GGUF"],
+    )?;
+    let untokenized = repo_path("tests/fixtures/gguf/llama_gqa.f32.gguf");
+    expect_error(
+        &["--model", path_str(&untokenized)?, "hi"],
+        &["llama_gqa.f32.gguf", "tokenizer.ggml.model"],
+    )?;
 
     let garbage = model_dir(
         "garbage-tokenizer",

@@ -1,5 +1,6 @@
-//! The contract of `examples/generate.rs` on the decoder fixtures: JSON output fields,
-//! greedy ids and `--logits` rows equal transformers', EOS handling, clear errors.
+//! The contract of `examples/generate.rs` on the decoder fixtures, as directories and as
+//! GGUF files: JSON output fields, greedy ids and `--logits` rows equal transformers', EOS
+//! handling, clear errors.
 
 mod common;
 
@@ -19,9 +20,19 @@ fn run(args: &[&str]) -> anyhow::Result<std::process::Output> {
 #[test]
 fn json_ids_and_logits_equal_transformers() -> anyhow::Result<()> {
     let dir = TempDir::new("generate-cli")?;
-    for case in ["llama_gqa", "qwen2_tied", "mistral_window"] {
-        let model = repo_path(&format!("tests/fixtures/decoders/{case}"));
-        let exp = Checkpoint::open(model.join("expected.safetensors"))?;
+    let sources = [
+        ("llama_gqa", "tests/fixtures/decoders/llama_gqa"),
+        ("qwen2_tied", "tests/fixtures/decoders/qwen2_tied"),
+        ("mistral_window", "tests/fixtures/decoders/mistral_window"),
+        // The same models as llama.cpp writes them (F32, rotary rows permuted).
+        ("llama_gqa", "tests/fixtures/gguf/llama_gqa.f32.gguf"),
+        ("qwen2_tied", "tests/fixtures/gguf/qwen2_tied.f32.gguf"),
+    ];
+    for (n, (case, source)) in sources.into_iter().enumerate() {
+        let model = repo_path(source);
+        let exp = Checkpoint::open(repo_path(&format!(
+            "tests/fixtures/decoders/{case}/expected.safetensors"
+        )))?;
         let prompt: Vec<i64> = exp
             .tensor("input_ids", &Device::Cpu)?
             .squeeze(0)?
@@ -32,7 +43,7 @@ fn json_ids_and_logits_equal_transformers() -> anyhow::Result<()> {
             .map(|x| x.to_string())
             .collect::<Vec<_>>()
             .join(",");
-        let logits = dir.file(&format!("{case}.safetensors"));
+        let logits = dir.file(&format!("{case}-{n}.safetensors"));
         let n = want.len().to_string();
         let out = run(&[
             "--model",
@@ -77,10 +88,7 @@ fn json_ids_and_logits_equal_transformers() -> anyhow::Result<()> {
             obj["decode_tokens_per_s"].as_f64().is_some_and(|v| v > 0.0),
             "{case}: {obj}"
         );
-        assert!(
-            obj.get("text").is_none(),
-            "{case}: no tokenizer.json, no text"
-        );
+        assert!(obj.get("text").is_none(), "{case}: no tokenizer, no text");
         let got = candle_core::safetensors::load(&logits, &Device::Cpu)?;
         let got = &got["logits"];
         assert_eq!(got.dtype(), DType::F32);
@@ -162,6 +170,25 @@ fn text_output_and_prompt_text_need_a_tokenizer() -> anyhow::Result<()> {
             err.starts_with("error: ") && err.contains("tokenizer.json"),
             "{err}"
         );
+    }
+    // A GGUF file without tokenizer metadata: the error says what is missing.
+    let gguf = repo_path("tests/fixtures/gguf/llama_gqa.q8_0.gguf");
+    let out = run(&[
+        "--model",
+        gguf.to_str().unwrap_or_default(),
+        "--prompt",
+        "hello",
+    ])?;
+    assert!(!out.status.success());
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        err.contains("tokenizer.ggml.model") && err.contains("--prompt-ids"),
+        "{err}"
+    );
+    for missing in ["/nonexistent/model.gguf", "/nonexistent/dir"] {
+        let out = run(&["--model", missing, "--prompt-ids", "1", "--format", "json"])?;
+        assert!(!out.status.success());
+        assert!(String::from_utf8_lossy(&out.stderr).contains(missing));
     }
     let out = run(&[
         "--model",
