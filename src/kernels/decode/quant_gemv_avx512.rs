@@ -54,10 +54,15 @@ pub(crate) fn row_dot(ty: QuantType, row: &[u8], x: &[f32]) -> Option<f32> {
 }
 
 /// The block kinds, as const parameters: one loop compiled per type.
+#[cfg(target_arch = "x86_64")]
 const Q8_0: u8 = 0;
+#[cfg(target_arch = "x86_64")]
 const Q4_0: u8 = 1;
+#[cfg(target_arch = "x86_64")]
 const Q4_1: u8 = 2;
+#[cfg(target_arch = "x86_64")]
 const Q5_0: u8 = 3;
+#[cfg(target_arch = "x86_64")]
 const Q5_1: u8 = 4;
 
 #[cfg(target_arch = "x86_64")]
@@ -75,6 +80,7 @@ unsafe fn row_dot_avx512(ty: QuantType, row: &[u8], x: &[f32]) -> f32 {
 }
 
 /// Scale and min of group `j` (0..8) of a Q4_K block's 12 scale bytes at `q`.
+#[cfg(target_arch = "x86_64")]
 #[inline(always)]
 unsafe fn scale_min_k4(j: usize, q: *const u8) -> (u8, u8) {
     if j < 4 {
@@ -203,6 +209,7 @@ unsafe fn dot_q6_k(row: &[u8], x: &[f32]) -> f32 {
 }
 
 /// Bytes of a block of kind `K`.
+#[cfg(target_arch = "x86_64")]
 const fn block_bytes(k: u8) -> usize {
     match k {
         Q8_0 => 34,
@@ -312,6 +319,7 @@ mod tests {
 
     /// Each row's dot product against the same weight dequantized (gguf-py's values), summed
     /// in f64: within f32 rounding of the sum of magnitudes.
+    #[cfg(target_arch = "x86_64")]
     #[test]
     fn half_scales_convert_exactly() {
         if !matches!(isa(), Isa::Avx512) {
