@@ -27,6 +27,8 @@ pub(crate) fn supports(ty: QuantType) -> bool {
                     | QuantType::Q5_0
                     | QuantType::Q5_1
                     | QuantType::Q8_0
+                    | QuantType::Q4K
+                    | QuantType::Q6K
             )
     }
     #[cfg(not(target_arch = "x86_64"))]
@@ -348,6 +350,8 @@ mod tests {
             (QuantType::Q4K, GgmlDType::Q4K),
             (QuantType::Q6K, GgmlDType::Q6K),
         ] {
+            #[cfg(target_arch = "x86_64")]
+            assert_eq!(supports(ty), matches!(isa(), Isa::Avx512), "{ty}: kernel");
             if !supports(ty) {
                 continue;
             }
