@@ -658,7 +658,7 @@ fn min_value_bytes(ty: u32) -> ReadResult<usize> {
 }
 
 #[cfg(test)]
-mod tests {
+pub(crate) mod tests {
     use super::*;
 
     /// A small GGUF file: a few metadata values and tensors of the given types.

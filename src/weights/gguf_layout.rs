@@ -303,6 +303,31 @@ mod tests {
     }
 
     #[test]
+    fn an_unsupported_architecture_is_named() -> Result<()> {
+        use crate::kernels::quant::blocks::QuantType;
+        let mut bytes =
+            crate::weights::gguf::tests::build(&[("w", &[32], QuantType::Q8_0, vec![0u8; 34])]);
+        // The architecture's value "llama" becomes "bloom" (same length).
+        let at = bytes
+            .windows(5)
+            .position(|w| w == b"llama")
+            .ok_or_else(|| Error::Kernel("no architecture in the test file".into()))?;
+        bytes[at..at + 5].copy_from_slice(b"bloom");
+        let file = GgufFile::from_bytes(bytes, "bloom.gguf")?;
+        let e = hf_config(&file)
+            .err()
+            .map(|e| e.to_string())
+            .unwrap_or_default();
+        assert!(
+            e.contains("bloom.gguf")
+                && e.contains("`bloom`")
+                && e.contains("llama, mistral, qwen2"),
+            "{e}"
+        );
+        Ok(())
+    }
+
+    #[test]
     fn unpermuting_inverts_llama_cpp_permutation() -> Result<()> {
         // llama.cpp: w.reshape(heads, 2, hd/2, in).swapaxes(1, 2): stored row h*hd + 2j + s
         // holds original row h*hd + s*hd/2 + j.
