@@ -233,22 +233,32 @@ impl GgufLlamaWeights {
 }
 
 /// llama.cpp's query/key row permutation undone (transformers' `reverse_permute_weights`):
-/// per head, row `s * hd / 2 + j` of the result is row `2 j + s` of the stored one.
-///
-/// # Shapes
-/// - `t`: `(heads * head_dim, in)` or `(heads * head_dim,)`; returns the same shape
-fn unpermute_rows(t: &Tensor, heads: usize) -> Result<Tensor> {
-    let dims = t.dims().to_vec();
-    let rows = dims[0];
+/// for each row of the result, the stored row it is. Per head, row `s * hd / 2 + j` of the
+/// result is row `2 j + s` of the stored one. The tensors here and the blocks of
+/// `crate::weights::quantized` are reordered by it.
+pub(crate) fn unpermuted_order(rows: usize, heads: usize) -> Result<Vec<usize>> {
     if heads == 0 || rows % (2 * heads) != 0 {
         return Err(Error::Heads(format!(
             "{rows} query/key rows do not split into {heads} heads of an even size"
         )));
     }
-    let half = rows / heads / 2;
-    let rest: usize = dims[1..].iter().product();
-    let t = t.reshape((heads, half, 2, rest))?; // (heads, hd/2, 2, in): stored row 2j + s
-    Ok(t.transpose(1, 2)?.contiguous()?.reshape(dims)?) // (heads, 2, hd/2, in)
+    let hd = rows / heads;
+    Ok((0..heads)
+        .flat_map(|h| (0..2).flat_map(move |s| (0..hd / 2).map(move |j| h * hd + 2 * j + s)))
+        .collect())
+}
+
+/// [`unpermuted_order`] applied to the rows of `t`.
+///
+/// # Shapes
+/// - `t`: `(heads * head_dim, in)` or `(heads * head_dim,)`; returns the same shape
+fn unpermute_rows(t: &Tensor, heads: usize) -> Result<Tensor> {
+    let order: Vec<u32> = unpermuted_order(t.dim(0)?, heads)?
+        .into_iter()
+        .map(|r| r as u32)
+        .collect();
+    let order = Tensor::new(order.as_slice(), t.device())?;
+    Ok(t.index_select(&order, 0)?)
 }
 
 impl SimpleBackend for GgufLlamaWeights {

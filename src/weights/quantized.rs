@@ -10,9 +10,11 @@ use candle_core::{DType, Device, Module, Tensor, D};
 use candle_nn::Linear;
 
 use crate::error::{Error, Result};
+use crate::kernels::decode::gemv::output_like;
 use crate::kernels::decode::quant_gemv::quant_gemv;
 use crate::kernels::quant::blocks::{self, QuantType};
 use crate::weights::gguf::GgufFile;
+use crate::weights::gguf_layout::unpermuted_order;
 
 /// Where a weight's blocks are.
 #[derive(Clone)]
@@ -103,28 +105,17 @@ impl QuantWeight {
         Ok(Tensor::from_vec(values, (self.rows, self.cols), device)?)
     }
 
-    /// The weight with llama.cpp's query/key row permutation undone (transformers'
-    /// `reverse_permute_weights`): per head, row `s * hd / 2 + j` is stored row `2 j + s`.
+    /// The weight with llama.cpp's query/key row permutation undone
+    /// ([`unpermuted_order`]), its blocks copied row by row.
     pub fn unpermuted_rows(&self, heads: usize) -> Result<Self> {
-        if heads == 0 || self.rows % (2 * heads) != 0 {
-            return Err(Error::Heads(format!(
-                "`{}`: {} rows do not split into {heads} heads of an even size",
-                self.name, self.rows
-            )));
-        }
         let row = self
             .ty
             .bytes_of(self.cols)
             .ok_or_else(|| Error::Kernel(format!("`{}`: rows are not whole blocks", self.name)))?;
-        let (hd, data) = (self.rows / heads, self.data()?);
+        let data = self.data()?;
         let mut out = Vec::with_capacity(data.len());
-        for h in 0..heads {
-            for s in 0..2 {
-                for j in 0..hd / 2 {
-                    let src = h * hd + 2 * j + s;
-                    out.extend_from_slice(&data[src * row..(src + 1) * row]);
-                }
-            }
+        for src in unpermuted_order(self.rows, heads)? {
+            out.extend_from_slice(&data[src * row..(src + 1) * row]);
         }
         Ok(Self {
             blocks: Blocks::Owned(Arc::new(out)),
@@ -151,11 +142,7 @@ impl QuantWeight {
             for (xr, yr) in xs.chunks_exact(inp).zip(y.chunks_exact_mut(self.rows)) {
                 quant_gemv(self.ty, data, xr, None, yr)?;
             }
-            let mut shape = x.dims().to_vec();
-            if let Some(last) = shape.last_mut() {
-                *last = self.rows;
-            }
-            return Ok(Tensor::from_vec(y, shape, x.device())?);
+            return output_like(x, y, self.rows);
         }
         // Several rows: the weight dequantized once for the call, multiplied as a dense
         // layer would.

@@ -407,11 +407,16 @@ fn bias_values(bias: Option<&candle_core::Tensor>) -> Result<Option<Vec<f32>>> {
         .transpose()?)
 }
 
-/// `y` `(out,)` as a tensor of `x`'s shape with its last dimension `out`, in `x`'s dtype.
-fn output_like(x: &candle_core::Tensor, y: Vec<f32>) -> Result<candle_core::Tensor> {
+/// `y` (the rows of `x`, `out` values each) as a tensor of `x`'s shape with its last
+/// dimension `out`, in `x`'s dtype.
+pub(crate) fn output_like(
+    x: &candle_core::Tensor,
+    y: Vec<f32>,
+    out: usize,
+) -> Result<candle_core::Tensor> {
     let mut shape = x.dims().to_vec();
     if let Some(last) = shape.last_mut() {
-        *last = y.len();
+        *last = out;
     }
     Ok(candle_core::Tensor::from_vec(y, shape, x.device())?.to_dtype(x.dtype())?)
 }
@@ -454,7 +459,8 @@ pub(crate) fn one_row_linear(
             (CpuWeight::F16(v), false) => gemv_t(v, &xs, bs, &mut y)?,
         }
     }
-    Ok(Some(output_like(x, y)?))
+    let out = y.len();
+    Ok(Some(output_like(x, y, out)?))
 }
 
 /// `silu(x W_g^T + b_g) * (x W_u^T + b_u)`, the gated half of a SwiGLU MLP, for one input
@@ -492,7 +498,8 @@ pub(crate) fn one_row_gated(
             _ => return Ok(None),
         }
     }
-    Ok(Some(output_like(x, y)?))
+    let out = y.len();
+    Ok(Some(output_like(x, y, out)?))
 }
 
 /// `y[j] = silu(dot(W_g[j], x) + b_g[j]) * (dot(W_u[j], x) + b_u[j])` with

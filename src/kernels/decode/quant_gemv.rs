@@ -81,7 +81,8 @@ pub(crate) fn quant_gemv(
 mod tests {
     use super::*;
     use crate::kernels::decode::gemv::gemv;
-    use candle_core::quantized::{GgmlDType, QTensor};
+    use crate::kernels::quant::blocks::tests::ggml;
+    use candle_core::quantized::QTensor;
     use candle_core::{Device, Tensor};
 
     /// The product on the blocks equals the f32 kernel's on the dequantized weight (bit for
@@ -89,18 +90,9 @@ mod tests {
     /// own order), for every type and for sizes that leave partial tasks and groups.
     #[test]
     fn equals_the_f32_product_of_the_dequantized_weight() -> candle_core::Result<()> {
-        for (ty, g) in [
-            (QuantType::Q4_0, GgmlDType::Q4_0),
-            (QuantType::Q4_1, GgmlDType::Q4_1),
-            (QuantType::Q5_0, GgmlDType::Q5_0),
-            (QuantType::Q5_1, GgmlDType::Q5_1),
-            (QuantType::Q8_0, GgmlDType::Q8_0),
-            (QuantType::Q2K, GgmlDType::Q2K),
-            (QuantType::Q3K, GgmlDType::Q3K),
-            (QuantType::Q4K, GgmlDType::Q4K),
-            (QuantType::Q5K, GgmlDType::Q5K),
-            (QuantType::Q6K, GgmlDType::Q6K),
-        ] {
+        // Every block type.
+        let types = QuantType::ALL.into_iter().filter(|t| t.block_values() > 1);
+        for (ty, g) in types.map(|t| (t, ggml(t))) {
             for (out, inp) in [(7usize, 256usize), (301, 512), (1030, 256)] {
                 let w = crate::kernels::test_values(out * inp, 3);
                 let wt = Tensor::from_vec(w, (out, inp), &Device::Cpu)?;

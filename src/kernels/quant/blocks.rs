@@ -382,12 +382,13 @@ fn q6_k(b: &[u8; 210], y: &mut [f32; 256]) {
 }
 
 #[cfg(test)]
-mod tests {
+pub(crate) mod tests {
     use super::*;
     use candle_core::quantized::{GgmlDType, QTensor};
     use candle_core::{Device, Tensor};
 
-    fn ggml(ty: QuantType) -> GgmlDType {
+    /// candle's name of `ty` (its quantizer is the tests' source of blocks).
+    pub(crate) fn ggml(ty: QuantType) -> GgmlDType {
         match ty {
             QuantType::F32 => GgmlDType::F32,
             QuantType::F16 => GgmlDType::F16,
