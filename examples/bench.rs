@@ -7,7 +7,16 @@
 //!   [--kv-heads N] [--causal] [--weights] [--dtype f32] [--iters N] [--core] [--device D] \
 //!   [--impl ours|naive|candle-flash|candle-matmul] [--pool caller|detached] [--train] [--json]
 //! cargo run --release --example bench -- --fma-peak | --bandwidth   # the machine's limits
+//! cargo run --release --example bench -- --load [--iters N]   # loading the shipped model
 //! ```
+//!
+//! `--load` times loading the shipped model (`weights/`) against one sentence's forward
+//! through its 6 layers: each figure is the median over `--iters` (default 20) fresh
+//! processes (the bench runs itself), since a process that already freed a model's memory
+//! loads the next one without page faults. Parts: the weights alone
+//! (`BertEncoder::load_checkpoint`), the tokenizer alone (`TextEncoder::from_file`), and both
+//! as `Model::load` does them (what the main job waits for), whose process then times the
+//! forward of the README's sentence (median of 10 calls after one).
 //!
 //! `--train` times one training step instead of a forward: the forward on variables (a fresh
 //! layer on a `VarMap` in PyTorch's `nn.MultiheadAttention` layout, LLaMA's with `--kv-heads`,
@@ -38,8 +47,9 @@ use std::time::Instant;
 use anyhow::{bail, Context};
 use candle_attention::{
     attention_weights_bytes, available_memory_bytes, parse_dtype, scaled_dot_product_attention,
-    select_device, self_attention_cost, AttentionConfig, AttentionMask, LinearWeights,
-    MultiHeadSelfAttention, Projections, SdpaOptions, WeightLayout,
+    select_device, self_attention_cost, AttentionConfig, AttentionMask, BertEncoder, Checkpoint,
+    HfConfig, LinearWeights, Model, ModelResolver, MultiHeadSelfAttention, Projections,
+    SdpaOptions, TextEncoder, WeightLayout,
 };
 use candle_core::{DType, Device, Tensor, Var, D};
 use candle_nn::attention::{flash_attn, AttnMask};
@@ -137,6 +147,13 @@ struct Args {
     /// weight once).
     #[arg(long)]
     bandwidth: bool,
+    /// Time loading the shipped model (weights, tokenizer, both) against one sentence's
+    /// forward, each in fresh processes, instead.
+    #[arg(long)]
+    load: bool,
+    /// One load in this process: `weights`, `tokenizer` or `model` (used by `--load`).
+    #[arg(long, hide = true)]
+    load_once: Option<String>,
     /// Which implementation to time with `--json`.
     #[arg(long = "impl", value_enum, default_value_t = Impl::Ours)]
     implementation: Impl,
@@ -182,6 +199,12 @@ fn main() -> anyhow::Result<()> {
             .use_current_thread()
             .build_global()
             .context("building rayon's global pool around the calling thread")?;
+    }
+    if let Some(part) = &args.load_once {
+        return load_once(part);
+    }
+    if args.load {
+        return load_table(args.iters.unwrap_or(20) as usize, args.json);
     }
     // The machine's limits: one figure each, as JSON or a line.
     let limit = if args.fma_peak {
@@ -334,6 +357,114 @@ static DEVICE: OnceLock<Device> = OnceLock::new();
 
 fn dev() -> Device {
     DEVICE.get().cloned().unwrap_or(Device::Cpu)
+}
+
+/// One timed load in this process, printed as `{"ms": .., "forward_ms": ..}`.
+fn load_once(part: &str) -> anyhow::Result<()> {
+    let files = ModelResolver::new().resolve(None)?;
+    let hf = HfConfig::from_file(&files.config)?;
+    let t = Instant::now();
+    match part {
+        "weights" => {
+            let ckpt = Checkpoint::open_many(&files.weights)?;
+            BertEncoder::load_checkpoint(&ckpt, DType::F32, &Device::Cpu, &hf)?;
+        }
+        "tokenizer" => {
+            TextEncoder::from_file(&files.tokenizer)?;
+        }
+        "model" => {
+            let model = Model::load(files, DType::F32, &Device::Cpu, false)?;
+            let loaded = t.elapsed();
+            let batch = model
+                .text
+                .encode_batch(&["The cat sat on the mat."], &Device::Cpu)?;
+            let mut times = Vec::new();
+            for _ in 0..11 {
+                let t = Instant::now();
+                model.encoder.forward(
+                    &batch.input_ids,
+                    Some(&batch.token_type_ids),
+                    Some(&batch.attention_mask),
+                    true,
+                )?;
+                times.push(t.elapsed().as_secs_f64() * 1e3);
+            }
+            let ms = loaded.as_secs_f64() * 1e3;
+            println!(
+                "{}",
+                serde_json::json!({"ms": ms, "forward_ms": median(&mut times[1..].to_vec())})
+            );
+            return Ok(());
+        }
+        other => bail!("--load-once takes weights, tokenizer or model, not {other}"),
+    };
+    let ms = t.elapsed().as_secs_f64() * 1e3;
+    println!("{}", serde_json::json!({ "ms": ms }));
+    Ok(())
+}
+
+/// `--load`: each part in `iters` fresh processes, as a table (or one JSON object).
+fn load_table(iters: usize, json: bool) -> anyhow::Result<()> {
+    let exe = std::env::current_exe()?;
+    let mut rows = Vec::new();
+    let mut forward = Vec::new();
+    for part in ["weights", "tokenizer", "model"] {
+        let mut ms = Vec::new();
+        for _ in 0..iters {
+            let out = std::process::Command::new(&exe)
+                .args(["--load-once", part])
+                .output()?;
+            if !out.status.success() {
+                bail!(
+                    "loading the {part}: {}",
+                    String::from_utf8_lossy(&out.stderr).trim()
+                );
+            }
+            let v: serde_json::Value = serde_json::from_slice(&out.stdout)?;
+            ms.push(v["ms"].as_f64().context("no load time")?);
+            if let Some(f) = v["forward_ms"].as_f64() {
+                forward.push(f);
+            }
+        }
+        rows.push((part, median(&mut ms), ms[0], ms[ms.len() - 1]));
+    }
+    let fwd = median(&mut forward);
+    if json {
+        let parts: serde_json::Map<String, serde_json::Value> = rows
+            .iter()
+            .map(|(p, m, _, _)| (format!("{p}_ms"), round3(*m).into()))
+            .collect();
+        let mut v = serde_json::Value::Object(parts);
+        v["forward_ms"] = round3(fwd).into();
+        v["iters"] = iters.into();
+        v["threads"] = rayon::current_num_threads().into();
+        println!("{v}");
+        return Ok(());
+    }
+    println!(
+        "loading the shipped model, {iters} fresh processes each ({} threads)",
+        rayon::current_num_threads()
+    );
+    println!(
+        "{:<40} {:>9} {:>7} {:>7} {:>10}",
+        "part", "median ms", "min", "max", "x forward"
+    );
+    for (part, m, lo, hi) in &rows {
+        let label = match *part {
+            "weights" => "weights (BertEncoder::load_checkpoint)",
+            "tokenizer" => "tokenizer (TextEncoder::from_file)",
+            _ => "both (Model::load, the main job)",
+        };
+        println!("{label:<40} {m:>9.1} {lo:>7.1} {hi:>7.1} {:>10.1}", m / fwd);
+    }
+    println!("{:<40} {fwd:>9.2}", "one sentence through 6 layers (warm)");
+    Ok(())
+}
+
+/// The median of `v` (sorted in place; 0 when empty).
+fn median(v: &mut [f64]) -> f64 {
+    v.sort_by(f64::total_cmp);
+    v.get(v.len() / 2).copied().unwrap_or(0.0)
 }
 
 fn round3(x: f64) -> f64 {

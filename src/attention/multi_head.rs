@@ -12,8 +12,10 @@ use crate::attention::path::AttentionPath;
 use crate::attention::projections::LayerProjections;
 use crate::error::{Error, Result};
 use crate::kernels::attend::{WeightsBlock, WeightsMode};
+use crate::weights::checkpoint::Checkpoint;
 use crate::weights::config::AttentionConfig;
 use crate::weights::layout::Projections;
+use crate::weights::stored::StoredWeight;
 
 /// Multi-head attention: `concat(head_1..head_h) W_O` with
 /// `head_i = softmax(Q_i K_i^T / sqrt(d_head) + mask) V_i`.
@@ -62,6 +64,97 @@ impl MultiHeadSelfAttention {
             layer.proj.packed_qkv = packed;
         }
         Ok(layer)
+    }
+
+    /// [`MultiHeadSelfAttention::load`] for a layer that computes in f32 on this CPU's packed
+    /// kernels from a checkpoint that stores its matrices in f16 or bf16: each matrix is
+    /// packed straight from the file's map, with no f32 copy of it (most of a model's load
+    /// time is that fresh memory). `Ok(None)` where this does not apply (another dtype,
+    /// device, CPU or layout, sizes stated in `cfg`, or matrices `load` would reject), and
+    /// the caller loads through `load`.
+    pub(crate) fn load_half_packed(
+        vb: &VarBuilder,
+        cfg: &AttentionConfig,
+        ckpt: &Checkpoint,
+    ) -> Result<Option<Self>> {
+        let Some(names) = cfg.layout.separate_projections() else {
+            return Ok(None);
+        };
+        if vb.dtype() != DType::F32 || !vb.device().is_cpu() || cfg.sizes()?.is_some() {
+            return Ok(None);
+        }
+        let full = |name: &str, what: &str| match vb.prefix().as_str() {
+            "" => format!("{name}.{what}"),
+            prefix => format!("{prefix}.{name}.{what}"),
+        };
+        let mut parts = Vec::with_capacity(4);
+        for name in names {
+            let key = full(name, "weight");
+            if !ckpt.contains(&key) {
+                return Ok(None);
+            }
+            match ckpt.half_matrix(&key)? {
+                Some(m) => parts.push(m),
+                None => return Ok(None),
+            }
+        }
+        let [q, k, v, o] = [parts[0], parts[1], parts[2], parts[3]];
+        let heads = cfg.num_heads;
+        let hidden = q.cols;
+        let head_dim = q.rows / heads.max(1);
+        let kv_heads = cfg.num_kv_heads.unwrap_or(k.rows / head_dim.max(1));
+        let sizes_ok = heads > 0
+            && q.rows % heads == 0
+            && kv_heads > 0
+            && k.rows == kv_heads * head_dim
+            && k.cols == hidden
+            && v.cols == hidden
+            && v.rows % kv_heads == 0
+            && o.cols == heads * (v.rows / kv_heads);
+        if !sizes_ok {
+            return Ok(None);
+        }
+        let (Some(qkv), Some(out)) = (
+            StoredWeight::pack_half(&[q, k, v], &[q.rows])?,
+            StoredWeight::pack_half(&[o], &[])?,
+        ) else {
+            return Ok(None);
+        };
+        let bias = |name: &str, n: usize| -> Result<Option<Tensor>> {
+            let vb = vb.pp(name);
+            Ok(if vb.contains_tensor("bias") {
+                Some(vb.get(n, "bias")?)
+            } else {
+                None
+            })
+        };
+        let biases = [
+            (bias(names[0], q.rows)?, q.rows),
+            (bias(names[1], k.rows)?, k.rows),
+            (bias(names[2], v.rows)?, v.rows),
+        ];
+        let qkv_bias = if biases.iter().any(|(b, _)| b.is_some()) {
+            let all = biases
+                .into_iter()
+                .map(|(b, n)| match b {
+                    Some(b) => Ok(b),
+                    None => Ok(Tensor::zeros(n, DType::F32, vb.device())?),
+                })
+                .collect::<Result<Vec<_>>>()?;
+            Some(Tensor::cat(&all, 0)?)
+        } else {
+            None
+        };
+        let proj = LayerProjections::from_stored(
+            qkv,
+            [q.rows, k.rows, v.rows],
+            qkv_bias,
+            Some((out, bias(names[3], o.rows)?)),
+            heads,
+            kv_heads,
+        )?;
+        let cfg = cfg.clone().with_kv_heads(kv_heads);
+        Ok(Some(Self::from_projections(proj, &cfg)))
     }
 
     /// Builds the layer from projection tensors, checking every size.

@@ -223,36 +223,85 @@ impl LayerProjections {
         heads: usize,
         kv_heads: usize,
     ) -> Result<Self> {
-        let ((q_out, hidden), (k_out, k_in), (v_out, v_in)) = (q.dims(), k.dims(), v.dims());
+        let hidden = q.dims().1;
+        if let Some(w) = [&k, &v].into_iter().find(|w| w.dims().1 != hidden) {
+            return Err(Error::ShapeMismatch {
+                tensor: format!("{w:?}"),
+                expected: format!("(_, {hidden}) like the query projection"),
+                found: vec![w.dims().0, w.dims().1],
+            });
+        }
+        let rows = [q.dims().0, k.dims().0, v.dims().0];
+        let o = o.map(|(o, bias)| (StoredWeight::Quantized(Arc::from([o])), bias));
+        Self::from_stored(
+            StoredWeight::Quantized(Arc::from([q, k, v])),
+            rows,
+            qkv_bias,
+            o,
+            heads,
+            kv_heads,
+        )
+    }
+
+    /// The projections of a layer whose weights were stored at load time (GGUF blocks, or
+    /// half-precision matrices packed from a file's map): `qkv` is the `(hidden, q + k + v)`
+    /// fused `W^T` with `rows` = the `(q, k, v)` output counts, `o` the `(heads * v_head_dim,
+    /// out)` `W_O^T`; `qkv_bias` `(q + k + v,)`, `o`'s bias `(out,)`. Every size is checked.
+    pub fn from_stored(
+        qkv: StoredWeight,
+        [q_out, k_out, v_out]: [usize; 3],
+        qkv_bias: Option<Tensor>,
+        o: Option<(StoredWeight, Option<Tensor>)>,
+        heads: usize,
+        kv_heads: usize,
+    ) -> Result<Self> {
+        let (hidden, qkv_out) = qkv.dims()?;
+        if qkv_out != q_out + k_out + v_out {
+            return Err(Error::ShapeMismatch {
+                tensor: "q, k, v projections".into(),
+                expected: format!("{q_out} + {k_out} + {v_out} outputs"),
+                found: vec![hidden, qkv_out],
+            });
+        }
         if heads == 0 || kv_heads == 0 || heads % kv_heads != 0 || q_out % heads != 0 {
             return Err(Error::Heads(format!(
                 "{heads} heads and {kv_heads} key/value heads for {q_out} query rows"
             )));
         }
         let head_dim = q_out / heads;
-        if k_out != kv_heads * head_dim || v_out % kv_heads != 0 || k_in != hidden || v_in != hidden
-        {
+        if k_out != kv_heads * head_dim || v_out % kv_heads != 0 {
             return Err(Error::ShapeMismatch {
-                tensor: "attn_k / attn_v".into(),
+                tensor: "key / value projections".into(),
                 expected: format!(
-                    "({}, {hidden}) keys and a multiple of {kv_heads} value rows of {hidden}",
+                    "{} key rows and a multiple of {kv_heads} value rows",
                     kv_heads * head_dim
                 ),
-                found: vec![k_out, k_in, v_out, v_in],
+                found: vec![k_out, v_out],
             });
+        }
+        if let Some(b) = &qkv_bias {
+            if b.dims() != [qkv_out] {
+                return Err(Error::ShapeMismatch {
+                    tensor: "q, k, v biases".into(),
+                    expected: format!("({qkv_out},)"),
+                    found: b.dims().to_vec(),
+                });
+            }
         }
         let v_head_dim = v_out / kv_heads;
         let out_proj = match o {
-            Some((o, bias)) => {
-                if o.dims().1 != heads * v_head_dim {
+            Some((weight_t, bias)) => {
+                let (o_in, o_out) = weight_t.dims()?;
+                if o_in != heads * v_head_dim || bias.as_ref().is_some_and(|b| b.dims() != [o_out])
+                {
                     return Err(Error::ShapeMismatch {
-                        tensor: "attn_output".into(),
-                        expected: format!("(out, {})", heads * v_head_dim),
-                        found: vec![o.dims().0, o.dims().1],
+                        tensor: "output projection".into(),
+                        expected: format!("(out, {}) and an (out,) bias", heads * v_head_dim),
+                        found: vec![o_out, o_in],
                     });
                 }
                 Some(OutProjection {
-                    weight_t: StoredWeight::Quantized(Arc::from([o])),
+                    weight_t,
                     weight: None,
                     bias,
                 })
@@ -261,7 +310,7 @@ impl LayerProjections {
         };
         Ok(Self {
             qkv: QkvProjection::Fused {
-                weight_t: StoredWeight::Quantized(Arc::from([q, k, v])),
+                weight_t: qkv,
                 bias: qkv_bias,
             },
             out_proj,

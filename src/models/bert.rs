@@ -2,20 +2,27 @@
 //! candle-nn parts: embeddings (word + position + token type, LayerNorm), then per layer
 //! attention, residual + LayerNorm, feed-forward, residual + LayerNorm.
 
+use std::sync::Arc;
+
 use candle_core::{CpuStorage, DType, Device, Storage, Tensor};
 use candle_nn::{Embedding, LayerNorm, Module, VarBuilder};
 use rayon::prelude::*;
 
 use crate::attention::mask::AttentionMask;
 use crate::attention::multi_head::MultiHeadSelfAttention;
-use crate::attention::projections::linear;
+use crate::attention::projections::linear_in_out;
 use crate::error::{Error, Result};
 use crate::kernels::cpu_tensor::CpuF32;
 use crate::kernels::encoder::embedding::{embed_tokens, EmbeddingTables, WordTable};
-use crate::kernels::encoder::feed_forward::{FeedForwardTensors, PackedFeedForward};
+use crate::kernels::encoder::feed_forward::{
+    FeedForwardTensors, FeedForwardWeight, PackedFeedForward,
+};
+use crate::kernels::gemm::matrix::HalfRows;
+use crate::kernels::gemm::packed::PackedWeight;
 use crate::weights::checkpoint::Checkpoint;
 use crate::weights::config::{AttentionConfig, HfConfig};
 use crate::weights::layout::WeightLayout;
+use crate::weights::stored::StoredWeight;
 
 /// The feed-forward activations BERT-family configs name.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -64,35 +71,71 @@ fn layer_norm(vb: VarBuilder, size: usize, eps: f64) -> Result<LayerNorm> {
 
 /// A dense layer `(out, in)` with bias, checked against the expected sizes.
 struct Dense {
-    weight: Tensor,
+    /// `(in, out)`: the checkpoint's `(out, in)` tensor seen transposed, or the panels the
+    /// packed feed-forward multiplies by (unpacked for a call on candle's ops).
+    weight_t: StoredWeight,
     bias: Tensor,
 }
 
 impl Dense {
-    fn load(vb: VarBuilder, in_dim: usize, out_dim: usize) -> Result<Self> {
-        Ok(Self {
-            weight: vb.get((out_dim, in_dim), "weight")?,
-            bias: vb.get(out_dim, "bias")?,
-        })
-    }
-
     /// # Shapes
     /// - `x`: `(batch, seq, in)`; returns `(batch, seq, out)`
     fn forward(&self, x: &Tensor) -> Result<Tensor> {
         let (b, t, d) = x.dims3()?;
-        let out = self.weight.dim(0)?;
-        Ok(
-            linear(&x.reshape((b * t, d))?, &self.weight, Some(&self.bias))?
-                .reshape((b, t, out))?,
-        )
+        let w = self.weight_t.tensor()?;
+        let out = w.dim(1)?;
+        Ok(linear_in_out(&x.reshape((b * t, d))?, &w, Some(&self.bias))?.reshape((b, t, out))?)
+    }
+}
+
+/// The word table.
+enum WordEmbeddings {
+    Tensor(Embedding),
+    /// A half-precision matrix read where the checkpoint is mapped.
+    Mapped {
+        ckpt: Checkpoint,
+        name: String,
+    },
+}
+
+impl WordEmbeddings {
+    /// `(rows, hidden)` of the mapped matrix.
+    fn mapped<'a>(ckpt: &'a Checkpoint, name: &str) -> Result<HalfRows<'a>> {
+        ckpt.half_matrix(name)?
+            .ok_or_else(|| Error::Kernel(format!("{name} is no longer stored in half precision")))
+    }
+
+    /// # Shapes
+    /// - `ids`: `(batch, seq)`; returns `(batch, seq, hidden)`, f32 when mapped
+    fn forward(&self, ids: &Tensor) -> Result<Tensor> {
+        let (ckpt, name) = match self {
+            Self::Tensor(e) => return Ok(e.forward(ids)?),
+            Self::Mapped { ckpt, name } => (ckpt, name),
+        };
+        let m = Self::mapped(ckpt, name)?;
+        let (b, t) = ids.dims2()?;
+        let ids = ids.to_dtype(DType::U32)?.flatten_all()?.to_vec1::<u32>()?;
+        let mut out = vec![0f32; ids.len() * m.cols];
+        for (&id, row) in ids.iter().zip(out.chunks_exact_mut(m.cols)) {
+            if id as usize >= m.rows {
+                return Err(Error::input(
+                    "input_ids",
+                    format!("token ids below the vocabulary size {}", m.rows),
+                    format!("id {id}"),
+                ));
+            }
+            m.widen_row(id as usize, row);
+        }
+        Ok(Tensor::from_vec(out, (b, t, m.cols), &Device::Cpu)?)
     }
 }
 
 /// Word + position + token type embeddings, then LayerNorm.
 struct BertEmbeddings {
-    /// Kept in the checkpoint's half dtype when the model runs in f32: rows are widened
-    /// after the lookup (exact), which saves converting the largest table at load time.
-    word: Embedding,
+    /// Kept in the checkpoint's half dtype when the model runs in f32 (on the CPU, where the
+    /// file is mapped): rows are widened after the lookup (exact), which saves copying and
+    /// converting the largest table at load time.
+    word: WordEmbeddings,
     position: Embedding,
     token_type: Embedding,
     norm: LayerNorm,
@@ -100,7 +143,14 @@ struct BertEmbeddings {
 }
 
 impl BertEmbeddings {
-    fn load(vb: VarBuilder, cfg: &HfConfig, word_dtype: Option<DType>) -> Result<Self> {
+    /// `word_dtype` keeps the word table in the checkpoint's half dtype; `half` (f32 on the
+    /// CPU) reads it where the checkpoint is mapped.
+    fn load(
+        vb: VarBuilder,
+        cfg: &HfConfig,
+        word_dtype: Option<DType>,
+        half: Option<&Checkpoint>,
+    ) -> Result<Self> {
         let d = cfg.hidden_size;
         let table = |name: &str, dtype: Option<DType>| -> Result<Embedding> {
             let vb = vb.pp(name);
@@ -124,8 +174,18 @@ impl BertEmbeddings {
         };
         let position = table("position_embeddings", None)?;
         let max_positions = position.embeddings().dim(0)?;
+        let word_name = format!("{}.word_embeddings.weight", vb.prefix());
+        let word = match half.filter(|_| word_dtype.is_some()) {
+            Some(ckpt) if ckpt.half_matrix(&word_name)?.is_some_and(|m| m.cols == d) => {
+                WordEmbeddings::Mapped {
+                    ckpt: ckpt.clone(),
+                    name: word_name,
+                }
+            }
+            _ => WordEmbeddings::Tensor(table("word_embeddings", word_dtype)?),
+        };
         Ok(Self {
-            word: table("word_embeddings", word_dtype)?,
+            word,
             position,
             token_type: table("token_type_embeddings", None)?,
             norm: layer_norm(vb.pp("LayerNorm"), d, cfg.layer_norm_eps)?,
@@ -168,7 +228,11 @@ impl BertEmbeddings {
         let Some(beta) = self.norm.bias() else {
             return Ok(None);
         };
-        let word = self.word.embeddings();
+        let word_ok = |w: &Tensor| {
+            w.device().is_cpu()
+                && [DType::F32, DType::F16, DType::BF16].contains(&w.dtype())
+                && !w.track_op()
+        };
         let f32_tables = [
             self.token_type.embeddings(),
             self.position.embeddings(),
@@ -176,9 +240,10 @@ impl BertEmbeddings {
             beta,
         ];
         let eligible = input_ids.device().is_cpu()
-            && word.device().is_cpu()
-            && [DType::F32, DType::F16, DType::BF16].contains(&word.dtype())
-            && !word.track_op()
+            && match &self.word {
+                WordEmbeddings::Tensor(e) => word_ok(e.embeddings()),
+                WordEmbeddings::Mapped { .. } => true,
+            }
             && f32_tables
                 .iter()
                 .all(|w| w.device().is_cpu() && w.dtype() == DType::F32 && !w.track_op());
@@ -197,15 +262,23 @@ impl BertEmbeddings {
             Ok(x.to_dtype(DType::U32)?.flatten_all()?.to_vec1::<u32>()?)
         };
         let (ids, types) = (ids(input_ids)?, ids(token_type_ids)?);
-        let (guard, layout) = word.storage_and_layout();
-        let Some((start, end)) = layout.contiguous_offsets() else {
-            return Ok(None);
-        };
-        let word = match &*guard {
-            Storage::Cpu(CpuStorage::F32(v)) => WordTable::F32(&v[start..end]),
-            Storage::Cpu(CpuStorage::F16(v)) => WordTable::F16(&v[start..end]),
-            Storage::Cpu(CpuStorage::BF16(v)) => WordTable::Bf16(&v[start..end]),
-            _ => return Ok(None),
+        let (guard, layout);
+        let word = match &self.word {
+            WordEmbeddings::Mapped { ckpt, name } => {
+                WordTable::Half(WordEmbeddings::mapped(ckpt, name)?)
+            }
+            WordEmbeddings::Tensor(e) => {
+                (guard, layout) = e.embeddings().storage_and_layout();
+                let Some((start, end)) = layout.contiguous_offsets() else {
+                    return Ok(None);
+                };
+                match &*guard {
+                    Storage::Cpu(CpuStorage::F32(v)) => WordTable::F32(&v[start..end]),
+                    Storage::Cpu(CpuStorage::F16(v)) => WordTable::F16(&v[start..end]),
+                    Storage::Cpu(CpuStorage::BF16(v)) => WordTable::Bf16(&v[start..end]),
+                    _ => return Ok(None),
+                }
+            }
         };
         let (ty, pos) = (
             CpuF32::new(self.token_type.embeddings(), "token_type_embeddings")?,
@@ -253,9 +326,25 @@ pub struct BertLayer {
 impl BertLayer {
     /// Loads `attention.*`, `intermediate.dense`, `output.dense`, `output.LayerNorm`.
     pub fn load(vb: VarBuilder, cfg: &HfConfig) -> Result<Self> {
+        Self::load_from(vb, cfg, None)
+    }
+
+    /// [`BertLayer::load`]; with `half`, the checkpoint `vb` reads, whose f16 or bf16
+    /// matrices are packed straight from its map when the layer runs in f32 on the packed
+    /// kernels (no f32 copy of them is made).
+    fn load_from(vb: VarBuilder, cfg: &HfConfig, half: Option<&Checkpoint>) -> Result<Self> {
         let d = cfg.hidden_size;
         let attn_cfg = AttentionConfig::new(WeightLayout::Bert, cfg.num_attention_heads);
-        let attention = MultiHeadSelfAttention::load(vb.pp("attention"), &attn_cfg)?;
+        let attention = match half {
+            Some(ckpt) => {
+                MultiHeadSelfAttention::load_half_packed(&vb.pp("attention"), &attn_cfg, ckpt)?
+            }
+            None => None,
+        };
+        let attention = match attention {
+            Some(a) => a,
+            None => MultiHeadSelfAttention::load(vb.pp("attention"), &attn_cfg)?,
+        };
         if attention.hidden_size() != d {
             return Err(Error::ShapeMismatch {
                 tensor: format!("{}.attention.self.query.weight", vb.prefix()),
@@ -279,20 +368,70 @@ impl BertLayer {
             d,
             cfg.layer_norm_eps,
         )?;
-        let intermediate = Dense::load(vb.pp("intermediate").pp("dense"), d, inter)?;
-        let output = Dense::load(vb.pp("output").pp("dense"), inter, d)?;
-        let output_norm = layer_norm(vb.pp("output").pp("LayerNorm"), d, cfg.layer_norm_eps)?;
         let activation = Activation::from_name(&cfg.hidden_act)?;
+        let bias = |name: &str, n: usize| vb.pp(name).pp("dense").get(n, "bias");
+        let (intermediate_bias, output_bias) = (bias("intermediate", inter)?, bias("output", d)?);
+        // The two `(out, in)` matrices: packed straight from the checkpoint's half-precision
+        // bytes when it has them and the kernels will run, as loaded tensors otherwise.
+        let half_packed = match half {
+            Some(ckpt) if activation == Activation::Gelu && vb.dtype() == DType::F32 => {
+                let pack = |n: &str, rows: usize, cols: usize| -> Result<Option<PackedWeight>> {
+                    match ckpt.half_matrix(&format!("{}.{n}.dense.weight", vb.prefix()))? {
+                        Some(m) if (m.rows, m.cols) == (rows, cols) => {
+                            PackedWeight::pack_half_rows(&[m], &[])
+                        }
+                        _ => Ok(None),
+                    }
+                };
+                match (pack("intermediate", inter, d)?, pack("output", d, inter)?) {
+                    (Some(i), Some(o)) => Some([Arc::new(i), Arc::new(o)]),
+                    _ => None,
+                }
+            }
+            _ => None,
+        };
+        let [intermediate, output] = match half_packed {
+            Some([i, o]) => [FeedForwardWeight::Packed(i), FeedForwardWeight::Packed(o)],
+            None => {
+                let w = |name: &str, out: usize, inp: usize| -> Result<FeedForwardWeight> {
+                    let w = vb.pp(name).pp("dense").get((out, inp), "weight")?;
+                    Ok(FeedForwardWeight::Tensor(w))
+                };
+                [w("intermediate", inter, d)?, w("output", d, inter)?]
+            }
+        };
+        let output_norm = layer_norm(vb.pp("output").pp("LayerNorm"), d, cfg.layer_norm_eps)?;
         let packed = match activation {
             Activation::Gelu => PackedFeedForward::pack(FeedForwardTensors {
                 attention_norm: &attention_norm,
-                intermediate_weight: &intermediate.weight,
-                intermediate_bias: &intermediate.bias,
-                output_weight: &output.weight,
-                output_bias: &output.bias,
+                intermediate_weight: intermediate.clone(),
+                intermediate_bias: &intermediate_bias,
+                output_weight: output.clone(),
+                output_bias: &output_bias,
                 output_norm: &output_norm,
             })?,
             _ => None,
+        };
+        // Once packed, the panels are the only copy kept (unpacked for a call on candle's ops).
+        let stored = |w: FeedForwardWeight, packed: Option<&Arc<PackedWeight>>| -> Result<_> {
+            Ok(match (packed, w) {
+                (Some(p), _) => StoredWeight::Packed(p.clone()),
+                (None, FeedForwardWeight::Packed(p)) => StoredWeight::Packed(p),
+                (None, FeedForwardWeight::Tensor(t)) => StoredWeight::Tensor(t.t()?),
+            })
+        };
+        let [pi, po] = match &packed {
+            Some(p) => p.weights().map(Some),
+            None => [None, None],
+        };
+        let (intermediate, output) = (stored(intermediate, pi)?, stored(output, po)?);
+        let intermediate = Dense {
+            weight_t: intermediate,
+            bias: intermediate_bias,
+        };
+        let output = Dense {
+            weight_t: output,
+            bias: output_bias,
         };
         Ok(Self {
             attention,
@@ -367,7 +506,7 @@ impl BertEncoder {
     /// Loads the encoder from a checkpoint root; tensors may sit under `bert.` (as in
     /// `BertForPreTraining` checkpoints) or at the top level (as in `BertModel`).
     pub fn load(vb: VarBuilder, cfg: &HfConfig) -> Result<Self> {
-        Self::load_inner(vb, cfg, None)
+        Self::load_inner(vb, cfg, None, None)
     }
 
     /// Loads the encoder from a [`Checkpoint`] in `dtype` on `device`. Same result as
@@ -388,10 +527,17 @@ impl BertEncoder {
         .into_iter()
         .find_map(|n| ckpt.stored_dtype(n))
         .filter(|d| dtype == DType::F32 && matches!(d, DType::F16 | DType::BF16));
-        Self::load_inner(vb, cfg, word_dtype)
+        // Half-precision matrices are packed straight from the file's map for f32 on the CPU.
+        let half = (dtype == DType::F32 && device.is_cpu()).then_some(ckpt);
+        Self::load_inner(vb, cfg, word_dtype, half)
     }
 
-    fn load_inner(vb: VarBuilder, cfg: &HfConfig, word_dtype: Option<DType>) -> Result<Self> {
+    fn load_inner(
+        vb: VarBuilder,
+        cfg: &HfConfig,
+        word_dtype: Option<DType>,
+        half: Option<&Checkpoint>,
+    ) -> Result<Self> {
         cfg.validate()?;
         if cfg.position_embedding_type != "absolute" {
             return Err(Error::config(format!(
@@ -410,11 +556,11 @@ impl BertEncoder {
         // The embeddings and the layers load side by side: each layer converts its tensors
         // and packs them for the kernels, which is most of a model's load time.
         let (embeddings, layers) = rayon::join(
-            || BertEmbeddings::load(vb.pp("embeddings"), cfg, word_dtype),
+            || BertEmbeddings::load(vb.pp("embeddings"), cfg, word_dtype, half),
             || {
                 (0..cfg.num_hidden_layers)
                     .into_par_iter()
-                    .map(|i| BertLayer::load(vb.pp(format!("encoder.layer.{i}")), cfg))
+                    .map(|i| BertLayer::load_from(vb.pp(format!("encoder.layer.{i}")), cfg, half))
                     .collect::<Result<Vec<_>>>()
             },
         );
@@ -600,9 +746,126 @@ mod tests {
     use super::*;
     use std::collections::HashMap;
 
+    use crate::kernels::gemm::packed;
+
     fn values(shape: &[usize], seed: usize) -> Result<Tensor> {
         let v = crate::kernels::test_values(shape.iter().product(), seed);
         Ok(Tensor::from_vec(v, shape, &Device::Cpu)?)
+    }
+
+    /// A half-precision checkpoint read in f32 on the CPU: its matrices are packed straight
+    /// from the checkpoint's bytes and the word table is read there, with the same results,
+    /// bit for bit, as the tensors widened by a `VarBuilder`; the feed-forward's candle
+    /// route multiplies by the panels unpacked.
+    #[test]
+    fn half_checkpoint_packs_from_its_bytes_like_widened_tensors() -> Result<()> {
+        let (vocab, d, heads, inter, positions, layers) = (40, 48, 4, 96, 16, 2);
+        let cfg: HfConfig = serde_json::from_str(&format!(
+            r#"{{"hidden_size": {d}, "num_attention_heads": {heads},
+                "num_hidden_layers": {layers}, "intermediate_size": {inter},
+                "vocab_size": {vocab}, "max_position_embeddings": {positions},
+                "layer_norm_eps": 1e-12, "hidden_act": "gelu"}}"#
+        ))
+        .map_err(|e| Error::config(e.to_string()))?;
+        let mut shapes: Vec<(String, Vec<usize>)> = vec![
+            ("embeddings.word_embeddings.weight".into(), vec![vocab, d]),
+            (
+                "embeddings.position_embeddings.weight".into(),
+                vec![positions, d],
+            ),
+            ("embeddings.token_type_embeddings.weight".into(), vec![2, d]),
+            ("embeddings.LayerNorm.weight".into(), vec![d]),
+            ("embeddings.LayerNorm.bias".into(), vec![d]),
+        ];
+        for l in 0..layers {
+            let p = format!("encoder.layer.{l}");
+            for (name, shape) in [
+                ("attention.self.query", vec![d, d]),
+                ("attention.self.key", vec![d, d]),
+                ("attention.self.value", vec![d, d]),
+                ("attention.output.dense", vec![d, d]),
+                ("intermediate.dense", vec![inter, d]),
+                ("output.dense", vec![d, inter]),
+            ] {
+                shapes.push((format!("{p}.{name}.bias"), vec![shape[0]]));
+                shapes.push((format!("{p}.{name}.weight"), shape));
+            }
+            for norm in ["attention.output.LayerNorm", "output.LayerNorm"] {
+                shapes.push((format!("{p}.{norm}.weight"), vec![d]));
+                shapes.push((format!("{p}.{norm}.bias"), vec![d]));
+            }
+        }
+        let tensors = shapes
+            .into_iter()
+            .enumerate()
+            .map(|(i, (name, shape))| {
+                let t = (values(&shape, 100 + i)? * 0.2)?;
+                let t = if name.ends_with("LayerNorm.weight") {
+                    (t + 1.0)?
+                } else {
+                    t
+                };
+                Ok((name, t.to_dtype(DType::F16)?))
+            })
+            .collect::<Result<Vec<_>>>()?;
+        let bytes = safetensors::tensor::serialize(tensors, None)
+            .map_err(|e| Error::Kernel(e.to_string()))?;
+        let ckpt = Checkpoint::from_bytes(bytes, "tiny-bert-f16.safetensors")?;
+        let from_bytes = BertEncoder::load_checkpoint(&ckpt, DType::F32, &Device::Cpu, &cfg)?;
+        let widened = BertEncoder::load(ckpt.var_builder(DType::F32, &Device::Cpu), &cfg)?;
+        if packed::available() {
+            assert!(matches!(
+                from_bytes.embeddings.word,
+                WordEmbeddings::Mapped { .. }
+            ));
+            for layer in &from_bytes.layers {
+                assert!(layer.packed.is_some() && layer.attention.is_fused());
+                assert!(matches!(
+                    layer.intermediate.weight_t,
+                    StoredWeight::Packed(_)
+                ));
+            }
+        }
+        let ids = Tensor::new(&[[1u32, 39, 3, 0, 7, 5], [4, 4, 28, 2, 0, 0]], &Device::Cpu)?;
+        let mask = Tensor::new(&[[1u32, 1, 1, 1, 1, 1], [1, 1, 1, 1, 0, 0]], &Device::Cpu)?;
+        let (a, b) = (
+            from_bytes.forward(&ids, None, Some(&mask), true)?,
+            widened.forward(&ids, None, Some(&mask), true)?,
+        );
+        let bits = |t: &Tensor| -> Result<Vec<u32>> {
+            Ok(t.flatten_all()?
+                .to_vec1::<f32>()?
+                .iter()
+                .map(|v| v.to_bits())
+                .collect())
+        };
+        // Real tokens' rows (the padding rows skip the feed-forward on both).
+        let real = |t: &Tensor| -> Result<Vec<u32>> {
+            bits(&Tensor::cat(&[t.get(0)?, t.get(1)?.narrow(0, 0, 4)?], 0)?)
+        };
+        assert_eq!(real(&a.hidden_states)?, real(&b.hidden_states)?);
+        for (wa, wb) in a
+            .attentions
+            .iter()
+            .flatten()
+            .zip(b.attentions.iter().flatten())
+        {
+            assert_eq!(bits(wa)?, bits(wb)?);
+        }
+        let types = ids.zeros_like()?;
+        let (ea, eb) = (
+            from_bytes.embeddings.forward_candle(&ids, &types)?,
+            widened.embeddings.forward_candle(&ids, &types)?,
+        );
+        assert_eq!(bits(&ea)?, bits(&eb)?);
+        let x = (values(&[2, 3, d], 7)? * 0.5)?;
+        let (fa, fb) = (
+            from_bytes.layers[1].intermediate.forward(&x)?,
+            widened.layers[1].intermediate.forward(&x)?,
+        );
+        let diff = (fa - fb)?.abs()?.max_all()?.to_scalar::<f32>()?;
+        assert!(diff < 1e-5, "unpacked panels vs the tensor: {diff}");
+        Ok(())
     }
 
     /// The one-pass CPU embeddings equal candle's composition; both reject an id past the
@@ -635,7 +898,7 @@ mod tests {
         let vb = VarBuilder::from_tensors(tensors, DType::F32, &Device::Cpu);
         // The word table as stored in f32, and kept in f16 (a half-precision checkpoint).
         for word_dtype in [None, Some(DType::F16)] {
-            let emb = BertEmbeddings::load(vb.clone(), &cfg, word_dtype)?;
+            let emb = BertEmbeddings::load(vb.clone(), &cfg, word_dtype, None)?;
             let ids = Tensor::new(&[[1u32, 29, 3, 0, 7], [4, 4, 28, 2, 0]], &Device::Cpu)?;
             let types = Tensor::new(&[[0u32, 0, 1, 1, 0], [1, 0, 0, 0, 1]], &Device::Cpu)?;
             let fast = emb

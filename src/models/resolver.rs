@@ -330,18 +330,16 @@ impl Model {
     /// `truncate` cuts texts longer than the model's positions instead of failing.
     pub fn load(files: ModelFiles, dtype: DType, device: &Device, truncate: bool) -> Result<Self> {
         let config = HfConfig::from_file(&files.config)?;
-        // Parsing tokenizer.json and reading the weights are independent: do both at once.
-        let (text, encoder) = std::thread::scope(|s| {
-            let text = s.spawn(|| TextEncoder::from_file(&files.tokenizer));
-            let encoder = Checkpoint::open_many(&files.weights)
-                .and_then(|ckpt| BertEncoder::load_checkpoint(&ckpt, dtype, device, &config));
-            let text = text.join().unwrap_or_else(|_| {
-                Err(Error::Tokenizer(
-                    "the tokenizer thread panicked".to_string(),
-                ))
-            });
-            (text, encoder)
-        });
+        // Parsing tokenizer.json and reading the weights are independent: do both at once, as
+        // two tasks of rayon's pool (a thread of their own competed with the pool's threads,
+        // which load the layers: measured slower on 2 cores).
+        let (text, encoder) = rayon::join(
+            || TextEncoder::from_file(&files.tokenizer),
+            || {
+                Checkpoint::open_many(&files.weights)
+                    .and_then(|ckpt| BertEncoder::load_checkpoint(&ckpt, dtype, device, &config))
+            },
+        );
         let encoder = encoder?;
         let text = text?
             .with_max_positions(encoder.max_positions())?

@@ -15,6 +15,7 @@ use candle_nn::var_builder::SimpleBackend;
 use candle_nn::VarBuilder;
 
 use crate::error::{Error, Result};
+use crate::kernels::gemm::matrix::HalfRows;
 
 /// Most tensor names listed in a [`Error::MissingTensor`] message.
 const MAX_LISTED: usize = 32;
@@ -155,6 +156,35 @@ impl Checkpoint {
             S::I64 => DType::I64,
             _ => return None,
         })
+    }
+
+    /// The matrix `name` as its f16 or bf16 bytes where the checkpoint holds them (the
+    /// file's map, no copy); `Ok(None)` when it is stored in another dtype. A missing tensor,
+    /// or one that is not a matrix, is an error naming it.
+    pub(crate) fn half_matrix(&self, name: &str) -> Result<Option<HalfRows<'_>>> {
+        use safetensors::Dtype as S;
+        if !self.contains(name) {
+            return Err(self.missing(name));
+        }
+        let view = self.inner.tensors.get(name)?;
+        let bf16 = match view.dtype() {
+            S::F16 => false,
+            S::BF16 => true,
+            _ => return Ok(None),
+        };
+        let &[rows, cols] = view.shape() else {
+            return Err(Error::ShapeMismatch {
+                tensor: name.to_string(),
+                expected: "a matrix (rows, cols)".to_string(),
+                found: view.shape().to_vec(),
+            });
+        };
+        Ok(Some(HalfRows {
+            bytes: view.data(),
+            rows,
+            cols,
+            bf16,
+        }))
     }
 
     /// Names of the tensors under a dotted prefix (`"encoder.layer.0"` matches

@@ -70,6 +70,17 @@ impl WeightLayout {
         matches!(self, WeightLayout::Gpt2)
     }
 
+    /// Where the layouts that store Q, K, V and `W_O` as four `(out, in)` matrices keep them,
+    /// relative to the attention prefix (each with its `weight` and optional `bias`); `None`
+    /// for the layouts that pack Q, K and V into one tensor or have no `W_O`.
+    pub(crate) fn separate_projections(&self) -> Option<[&'static str; 4]> {
+        match self {
+            WeightLayout::Bert => Some(["self.query", "self.key", "self.value", "output.dense"]),
+            WeightLayout::Llama => Some(["q_proj", "k_proj", "v_proj", "o_proj"]),
+            WeightLayout::TorchMha | WeightLayout::Gpt2 | WeightLayout::Single => None,
+        }
+    }
+
     /// Reads this layout's projections from `vb` (already positioned at the attention prefix).
     pub fn load(&self, vb: &VarBuilder) -> Result<Projections> {
         self.load_sized(vb, None)

@@ -6,6 +6,7 @@ use candle_core::{DType, Device, Tensor};
 
 use crate::error::Result;
 use crate::kernels::cpu_tensor::CpuF32;
+use crate::kernels::gemm::matrix::HalfRows;
 use crate::kernels::gemm::packed::{self, PackedWeight};
 use crate::kernels::gemm::WeightRef;
 use crate::weights::quantized::QuantWeight;
@@ -42,6 +43,13 @@ impl StoredWeight {
             }
         }
         Ok(Self::Tensor(t.contiguous()?))
+    }
+
+    /// Packs half-precision `(out_i, in)` matrices stacked along their outputs straight from
+    /// their bytes (`splits` as for [`StoredWeight::new`]); `Ok(None)` on a CPU without the
+    /// packed kernels, where the caller loads tensors instead.
+    pub fn pack_half(parts: &[HalfRows<'_>], splits: &[usize]) -> Result<Option<Self>> {
+        Ok(PackedWeight::pack_half_rows(parts, splits)?.map(|p| Self::Packed(Arc::new(p))))
     }
 
     /// The `(in, out)` matrix as a tensor (a copy when packed or quantized).

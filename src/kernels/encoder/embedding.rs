@@ -9,6 +9,7 @@ use rayon::prelude::*;
 
 use crate::error::{Error, Result};
 use crate::kernels::encoder::layer_norm::add_layer_norm_row;
+use crate::kernels::gemm::matrix::HalfRows;
 
 /// Tokens per task.
 const TOKENS_PER_TASK: usize = 32;
@@ -20,6 +21,8 @@ pub(crate) enum WordTable<'a> {
     F32(&'a [f32]),
     F16(&'a [f16]),
     Bf16(&'a [bf16]),
+    /// f16 or bf16 bytes where the checkpoint holds them (its map).
+    Half(HalfRows<'a>),
 }
 
 impl WordTable<'_> {
@@ -28,6 +31,7 @@ impl WordTable<'_> {
             WordTable::F32(w) => w.len(),
             WordTable::F16(w) => w.len(),
             WordTable::Bf16(w) => w.len(),
+            WordTable::Half(m) => m.rows * m.cols,
         }
     }
 
@@ -38,6 +42,7 @@ impl WordTable<'_> {
             WordTable::F32(w) => out.copy_from_slice(&w[id * d..(id + 1) * d]),
             WordTable::F16(w) => w[id * d..(id + 1) * d].convert_to_f32_slice(out),
             WordTable::Bf16(w) => w[id * d..(id + 1) * d].convert_to_f32_slice(out),
+            WordTable::Half(m) => m.widen_row(id, out),
         }
     }
 }
@@ -73,6 +78,7 @@ pub(crate) fn embed_tokens(
         ]
         .iter()
         .any(|n| n % d != 0)
+        || matches!(tables.word, WordTable::Half(m) if m.cols != d || m.bytes.len() != 2 * m.rows * m.cols)
     {
         return Err(Error::Kernel(format!(
             "embedding tables of {} / {} / {} values for a hidden size of {d}",
@@ -155,11 +161,27 @@ mod tests {
             word32.clone(),
             word16.iter().map(|v| v.to_f32()).collect(),
             wordb16.iter().map(|v| v.to_f32()).collect(),
+            word16.iter().map(|v| v.to_f32()).collect(),
+            wordb16.iter().map(|v| v.to_f32()).collect(),
         ];
+        let bytes =
+            |bits: Vec<u16>| -> Vec<u8> { bits.iter().flat_map(|b| b.to_le_bytes()).collect() };
+        let bytes16 = bytes(word16.iter().map(|v| v.to_bits()).collect());
+        let bytesb16 = bytes(wordb16.iter().map(|v| v.to_bits()).collect());
+        fn mapped(bytes: &[u8], bf16: bool, rows: usize, cols: usize) -> HalfRows<'_> {
+            HalfRows {
+                bytes,
+                rows,
+                cols,
+                bf16,
+            }
+        }
         let tables = [
             WordTable::F32(&word32),
             WordTable::F16(&word16),
             WordTable::Bf16(&wordb16),
+            WordTable::Half(mapped(&bytes16, false, vocab, d)),
+            WordTable::Half(mapped(&bytesb16, true, vocab, d)),
         ];
         for (word_table, word) in tables.into_iter().zip(&widened) {
             check(word_table, word, &ty, &pos, d)?;

@@ -6,6 +6,8 @@
 //! are fused into the LayerNorms ([`add_layer_norm_in_place`]): three passes over memory
 //! instead of candle's eight ops, each allocating its result.
 
+use std::sync::Arc;
+
 use candle_core::{DType, Tensor};
 use candle_nn::LayerNorm;
 
@@ -46,21 +48,29 @@ impl Norm {
 #[derive(Debug, Clone)]
 pub(crate) struct PackedFeedForward {
     attention_norm: Norm,
-    intermediate: PackedWeight,
+    intermediate: Arc<PackedWeight>,
     intermediate_bias: Vec<f32>,
-    output: PackedWeight,
+    output: Arc<PackedWeight>,
     output_bias: Vec<f32>,
     output_norm: Norm,
+}
+
+/// A feed-forward weight as loaded: the checkpoint's `(out, in)` tensor, or already packed
+/// (its `(in, out)` form, packed from the checkpoint's bytes).
+#[derive(Debug, Clone)]
+pub(crate) enum FeedForwardWeight {
+    Tensor(Tensor),
+    Packed(Arc<PackedWeight>),
 }
 
 /// The tensors of the feed-forward half, as the checkpoint holds them.
 pub(crate) struct FeedForwardTensors<'a> {
     pub attention_norm: &'a LayerNorm,
     /// `(inter, hidden)`
-    pub intermediate_weight: &'a Tensor,
+    pub intermediate_weight: FeedForwardWeight,
     pub intermediate_bias: &'a Tensor,
     /// `(hidden, inter)`
-    pub output_weight: &'a Tensor,
+    pub output_weight: FeedForwardWeight,
     pub output_bias: &'a Tensor,
     pub output_norm: &'a LayerNorm,
 }
@@ -70,14 +80,21 @@ impl PackedFeedForward {
     /// tensor that tracks gradients (a variable an optimizer updates: no stale copy), a
     /// LayerNorm without bias, or a CPU without the micro-kernels.
     pub fn pack(t: FeedForwardTensors<'_>) -> Result<Option<Self>> {
-        let tensors = [
+        let weights = [&t.intermediate_weight, &t.output_weight]
+            .into_iter()
+            .filter_map(|w| match w {
+                FeedForwardWeight::Tensor(w) => Some(w),
+                FeedForwardWeight::Packed(_) => None,
+            });
+        let tensors: Vec<&Tensor> = [
             t.attention_norm.weight(),
-            t.intermediate_weight,
             t.intermediate_bias,
-            t.output_weight,
             t.output_bias,
             t.output_norm.weight(),
-        ];
+        ]
+        .into_iter()
+        .chain(weights)
+        .collect();
         let eligible = packed::available()
             && tensors
                 .iter()
@@ -93,10 +110,15 @@ impl PackedFeedForward {
         else {
             return Ok(None);
         };
-        let pack = |w: &Tensor, name: &'static str| -> Result<Option<PackedWeight>> {
-            let w = CpuF32::new(w, name)?;
-            // (out, in) as stored; the kernels take (in, out).
-            Ok(PackedWeight::pack(w.matrix()?.t(), &[]))
+        let pack = |w: FeedForwardWeight, name: &'static str| -> Result<_> {
+            Ok(match w {
+                FeedForwardWeight::Packed(p) => Some(p),
+                FeedForwardWeight::Tensor(w) => {
+                    let w = CpuF32::new(&w, name)?;
+                    // (out, in) as stored; the kernels take (in, out).
+                    PackedWeight::pack(w.matrix()?.t(), &[]).map(Arc::new)
+                }
+            })
         };
         let (Some(intermediate), Some(output)) = (
             pack(t.intermediate_weight, "intermediate.dense.weight")?,
@@ -115,6 +137,11 @@ impl PackedFeedForward {
             output,
             output_norm,
         }))
+    }
+
+    /// The packed `(hidden, inter)` and `(inter, hidden)` weights.
+    pub fn weights(&self) -> [&Arc<PackedWeight>; 2] {
+        [&self.intermediate, &self.output]
     }
 
     /// `LN(W2 gelu(W1 h + b1) + b2 + h)` with `h = LN(context + x)`; `None` when an input
@@ -226,9 +253,9 @@ mod tests {
         let (w2, b2) = (values(&[d, inter], 7, 0.2)?, values(&[d], 8, 0.1)?);
         let packed = PackedFeedForward::pack(FeedForwardTensors {
             attention_norm: &n1,
-            intermediate_weight: &w1,
+            intermediate_weight: FeedForwardWeight::Tensor(w1.clone()),
             intermediate_bias: &b1,
-            output_weight: &w2,
+            output_weight: FeedForwardWeight::Tensor(w2.clone()),
             output_bias: &b2,
             output_norm: &n2,
         })?

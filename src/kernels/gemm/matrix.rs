@@ -23,6 +23,41 @@ fn out_of_bounds(what: &str, offset: usize, rows: usize, cols: usize, len: usize
     ))
 }
 
+/// A row-major `(rows, cols)` matrix of little-endian f16 or bf16 values, as a checkpoint
+/// stores it (the bytes are usually the file's memory map).
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct HalfRows<'a> {
+    pub bytes: &'a [u8],
+    pub rows: usize,
+    pub cols: usize,
+    /// bf16 rather than f16.
+    pub bf16: bool,
+}
+
+impl HalfRows<'_> {
+    /// Row `r` widened to f32 (exact) into `out` (`cols` values).
+    pub fn widen_row(&self, r: usize, out: &mut [f32]) {
+        use half::slice::HalfFloatSliceExt;
+        let row = &self.bytes[2 * r * self.cols..2 * (r + 1) * self.cols];
+        let mut bits = [0u16; 64];
+        for (src, dst) in row.chunks(128).zip(out.chunks_mut(64)) {
+            let n = src.len() / 2;
+            for (b, c) in bits.iter_mut().zip(src.chunks_exact(2)) {
+                *b = u16::from_le_bytes([c[0], c[1]]);
+            }
+            if self.bf16 {
+                for (d, &b) in dst.iter_mut().zip(&bits[..n]) {
+                    *d = f32::from_bits(u32::from(b) << 16);
+                }
+            } else {
+                let halves: &[half::f16] =
+                    half::slice::HalfBitsSliceExt::reinterpret_cast(&bits[..n]);
+                halves.convert_to_f32_slice(&mut dst[..n]);
+            }
+        }
+    }
+}
+
 /// A read-only `(rows, cols)` matrix whose element `(i, j)` is `data[offset + i * rs + j * cs]`.
 #[derive(Debug, Clone, Copy)]
 pub(crate) struct MatRef<'a> {

@@ -15,7 +15,7 @@ use rayon::prelude::*;
 use crate::error::{Error, Result};
 use crate::kernels::activation::gelu_erf_in_place;
 use crate::kernels::gemm::aligned::AlignedFloats;
-use crate::kernels::gemm::matrix::MatRef;
+use crate::kernels::gemm::matrix::{HalfRows, MatRef};
 use crate::kernels::gemm::microkernel::{self, panel_product, Start};
 
 /// Output columns per panel (3 AVX-512 registers, or two 4 x 24 AVX2 tiles).
@@ -56,28 +56,10 @@ impl PackedWeight {
     /// Packs `w` `(k, n)`; `splits` are column indices (increasing, inside `0..n`) where
     /// segments start. `None` when the CPU has neither AVX-512 nor AVX2 + FMA.
     pub fn pack(w: MatRef<'_>, splits: &[usize]) -> Option<Self> {
-        if !available() {
-            return None;
-        }
-        let (k, n) = (w.rows, w.cols);
-        let mut bounds = vec![0];
-        bounds.extend(splits.iter().copied().filter(|&s| s > 0 && s < n));
-        bounds.push(n);
-        let mut panels = Vec::new();
-        let mut segments = Vec::new();
-        for seg in bounds.windows(2) {
-            let first = panels.len();
-            let mut col = seg[0];
-            while col < seg[1] {
-                let width = PANEL.min(seg[1] - col);
-                panels.push(Panel { col, width });
-                col += width;
-            }
-            segments.push((seg[0], seg[1], first, panels.len()));
-        }
-        let mut data = AlignedFloats::zeroed(panels.len() * k * PANEL);
-        for (p, panel) in panels.iter().enumerate() {
-            let dst = &mut data[p * k * PANEL..(p + 1) * k * PANEL];
+        let mut packed = Self::empty(w.rows, w.cols, splits)?;
+        let k = packed.k;
+        for (p, panel) in packed.panels.iter().enumerate() {
+            let dst = &mut packed.data[p * k * PANEL..(p + 1) * k * PANEL];
             // Read along the source's contiguous side (a checkpoint's `(out, in)` rows, seen
             // through the transposed view, are the panel's columns).
             if w.rs == 1 {
@@ -95,11 +77,69 @@ impl PackedWeight {
                 }
             }
         }
+        Some(packed)
+    }
+
+    /// Packs the `(in, out)` form of half-precision `(out, in)` matrices stacked along their
+    /// outputs (a checkpoint's Q, K and V rows, read where the file is mapped), widening each
+    /// value exactly: no f32 copy of the matrices is made. `Ok(None)` when the CPU has
+    /// neither AVX-512 nor AVX2 + FMA; an error when the parts' input widths differ or their
+    /// bytes do not hold them.
+    pub fn pack_half_rows(parts: &[HalfRows<'_>], splits: &[usize]) -> Result<Option<Self>> {
+        let k = parts.first().map_or(0, |p| p.cols);
+        let mut rows = Vec::new(); // (part, row) of each output column
+        for (i, part) in parts.iter().enumerate() {
+            if part.cols != k || part.bytes.len() != 2 * part.rows * part.cols {
+                return Err(Error::Kernel(format!(
+                    "half matrix {i} of {}x{} in {} bytes, packed with input width {k}",
+                    part.rows,
+                    part.cols,
+                    part.bytes.len()
+                )));
+            }
+            rows.extend((0..part.rows).map(|r| (i, r)));
+        }
+        let Some(mut packed) = Self::empty(k, rows.len(), splits) else {
+            return Ok(None);
+        };
+        let mut widened = vec![0f32; k];
+        for (p, panel) in packed.panels.iter().enumerate() {
+            let dst = &mut packed.data[p * k * PANEL..(p + 1) * k * PANEL];
+            for (j, &(part, r)) in rows[panel.col..panel.col + panel.width].iter().enumerate() {
+                parts[part].widen_row(r, &mut widened);
+                for (kk, &v) in widened.iter().enumerate() {
+                    dst[kk * PANEL + j] = v;
+                }
+            }
+        }
+        Ok(Some(packed))
+    }
+
+    /// Zeroed panels for a `(k, n)` weight split at `splits`.
+    fn empty(k: usize, n: usize, splits: &[usize]) -> Option<Self> {
+        if !available() {
+            return None;
+        }
+        let mut bounds = vec![0];
+        bounds.extend(splits.iter().copied().filter(|&s| s > 0 && s < n));
+        bounds.push(n);
+        let mut panels = Vec::new();
+        let mut segments = Vec::new();
+        for seg in bounds.windows(2) {
+            let first = panels.len();
+            let mut col = seg[0];
+            while col < seg[1] {
+                let width = PANEL.min(seg[1] - col);
+                panels.push(Panel { col, width });
+                col += width;
+            }
+            segments.push((seg[0], seg[1], first, panels.len()));
+        }
         Some(Self {
             k,
             n,
+            data: AlignedFloats::zeroed(panels.len() * k * PANEL),
             panels,
-            data,
             segments,
         })
     }
@@ -268,6 +308,66 @@ mod tests {
     use super::*;
 
     use crate::kernels::test_values as values;
+
+    /// Half-precision `(out, in)` parts stacked along their outputs pack to the same panels
+    /// as their exact f32 values, transposed and concatenated (f16 and bf16, a split inside
+    /// a panel, parts that end inside a panel).
+    #[test]
+    fn half_rows_pack_like_their_f32_values() -> Result<()> {
+        if !available() {
+            return Ok(());
+        }
+        let k = 70;
+        let outs = [37usize, 20, 61];
+        for bf16 in [false, true] {
+            let mut bytes = Vec::new();
+            let mut f32_rows = Vec::new(); // (out, in) of all parts, exact values
+            for (i, &n) in outs.iter().enumerate() {
+                let v = values(n * k, 10 + i);
+                let mut b = Vec::with_capacity(2 * n * k);
+                for x in v {
+                    let bits = if bf16 {
+                        half::bf16::from_f32(x).to_bits()
+                    } else {
+                        half::f16::from_f32(x).to_bits()
+                    };
+                    b.extend_from_slice(&bits.to_le_bytes());
+                    f32_rows.push(if bf16 {
+                        half::bf16::from_bits(bits).to_f32()
+                    } else {
+                        half::f16::from_bits(bits).to_f32()
+                    });
+                }
+                bytes.push(b);
+            }
+            let parts: Vec<HalfRows<'_>> = bytes
+                .iter()
+                .zip(outs)
+                .map(|(b, rows)| HalfRows {
+                    bytes: b,
+                    rows,
+                    cols: k,
+                    bf16,
+                })
+                .collect();
+            let n: usize = outs.iter().sum();
+            let half = PackedWeight::pack_half_rows(&parts, &[outs[0]])?
+                .ok_or_else(|| Error::Kernel("no micro-kernel on this CPU".into()))?;
+            let full = PackedWeight::pack(MatRef::row_major(&f32_rows, n, k)?.t(), &[outs[0]])
+                .ok_or_else(|| Error::Kernel("no micro-kernel on this CPU".into()))?;
+            assert_eq!(half.unpack(), full.unpack(), "bf16 {bf16}");
+            assert_eq!(half.segment_count(), 2);
+            assert_eq!(&half.data[..], &full.data[..]);
+        }
+        let short = [HalfRows {
+            bytes: &[0u8; 10],
+            rows: 2,
+            cols: 3,
+            bf16: false,
+        }];
+        assert!(PackedWeight::pack_half_rows(&short, &[]).is_err());
+        Ok(())
+    }
 
     #[test]
     fn packed_linear_equals_a_plain_product() -> Result<()> {
