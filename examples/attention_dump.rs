@@ -6,7 +6,16 @@
 //! cargo run --release --example attention_dump -- "The animal didn't cross the street because it was too tired."
 //! cargo run --release --example attention_dump -- --format json "one" "two"   # JSON Lines
 //! cargo run --release --example attention_dump -- --html view.html "a sentence"
+//! cargo run --release --example attention_dump -- --explain rollout "a sentence"
+//! cargo run --release --example attention_dump -- --explain grad --against "another" "a sentence"
 //! ```
+//!
+//! `--explain` adds an explanation beside the raw weights: `rollout` (attention rollout),
+//! `grad` (gradient-weighted relevance of the cosine similarity with `--against TEXT` for an
+//! encoder, of the next token's logit, or `--target-token ID`'s, for a decoder) or `norm`
+//! (`‖α f(x)‖` per layer and head). The terminal shows its matrix and the input tokens
+//! ranked for the row that matters (`[CLS]`, or a decoder's last position); JSON gains
+//! `"explain"`.
 
 mod common;
 
@@ -17,7 +26,8 @@ use std::time::Instant;
 
 use anyhow::{bail, Context};
 use candle_attention::viz::{
-    render_heatmap, render_html_grouped, AttentionDump, DumpSelection, HeatmapStyle,
+    ranking, render_heatmap, render_html_grouped, AttentionDump, DumpSelection, ExplainMethod,
+    Explanation, HeatmapStyle,
 };
 use candle_attention::{
     into_length_sorted_batches, parse_dtype, select_device, Checkpoint, EncodedText, GgufFile,
@@ -91,6 +101,17 @@ struct Args {
     /// Plain characters instead of colors (also when NO_COLOR is set or stdout is not a terminal).
     #[arg(long)]
     no_color: bool,
+    /// Explain each sentence beside the raw weights: rollout, grad or norm.
+    #[arg(long, value_parser = ["rollout", "grad", "norm"])]
+    explain: Option<String>,
+    /// With --explain grad on an encoder: the text whose embedding the sentence's cosine
+    /// similarity is taken with (the gradient runs through the sentence's forward only).
+    #[arg(long)]
+    against: Option<String>,
+    /// With --explain grad on a decoder: the token whose logit after the last position is
+    /// explained (default: the greedy next token).
+    #[arg(long)]
+    target_token: Option<u32>,
 }
 
 fn main() -> ExitCode {
@@ -123,6 +144,24 @@ fn run(args: Args) -> anyhow::Result<()> {
         }
     };
     let (name, layers, heads) = net.shape();
+    let explain = args
+        .explain
+        .as_deref()
+        .map(ExplainMethod::parse)
+        .transpose()?;
+    let is_decoder = matches!(net, Network::Decoder { .. });
+    if args.against.is_some() && (explain != Some(ExplainMethod::Grad) || is_decoder) {
+        bail!("--against takes the text an encoder's --explain grad compares with");
+    }
+    if args.target_token.is_some() && (explain != Some(ExplainMethod::Grad) || !is_decoder) {
+        bail!("--target-token takes the token whose logit a decoder's --explain grad explains");
+    }
+    if explain == Some(ExplainMethod::Grad) && !is_decoder && args.against.is_none() {
+        bail!(
+            "--explain grad on an encoder explains the cosine similarity with another text: \
+             give it with --against \"TEXT\""
+        );
+    }
     if let Some(l) = args.layer.filter(|&l| l >= layers) {
         bail!("--layer {l} is out of range: the model has layers 0..{layers}");
     }
@@ -187,6 +226,19 @@ fn run(args: Args) -> anyhow::Result<()> {
                     )?),
                     None => None,
                 };
+                if let Some(method) = explain {
+                    let e = net.explain(
+                        item,
+                        method,
+                        args.against.as_deref(),
+                        args.target_token,
+                        &device,
+                    )?;
+                    if let Some(v) = view.as_mut() {
+                        v.explain = Some(e.clone());
+                    }
+                    json.explain = Some(e);
+                }
                 if args.words {
                     json = json.into_words(item);
                     view = view.map(|v| v.into_words(item));
@@ -215,6 +267,7 @@ fn run(args: Args) -> anyhow::Result<()> {
                     &item,
                     numbered.then_some(shown),
                     style,
+                    is_decoder,
                 )?;
             }
             if args.html.is_some() {
@@ -261,6 +314,7 @@ fn print_view(
     item: &EncodedText,
     number: Option<usize>,
     style: HeatmapStyle,
+    decoder: bool,
 ) -> anyhow::Result<()> {
     writeln!(out)?;
     if let Some(n) = number {
@@ -306,6 +360,57 @@ fn print_view(
         "{}",
         render_heatmap(&view.tokens, &view.attentions[lp][hp], style)
     )?;
+    if let Some(e) = &view.explain {
+        print_explanation(out, args, view, e, decoder, style)?;
+    }
+    Ok(())
+}
+
+/// The explanation's matrix (scaled by its largest entry) and the input tokens ranked for
+/// the row that matters: `[CLS]` for an encoder, the last position for a decoder.
+fn print_explanation(
+    out: &mut impl Write,
+    args: &Args,
+    view: &AttentionDump,
+    e: &Explanation,
+    decoder: bool,
+    style: HeatmapStyle,
+) -> anyhow::Result<()> {
+    let mut matrix = e.view(args.layer, args.head);
+    let grad = e.method() == ExplainMethod::Grad;
+    if grad {
+        // The identity (each token's own share) dwarfs the rest: shown without it.
+        for (i, row) in matrix.iter_mut().enumerate() {
+            if let Some(d) = row.get_mut(i) {
+                *d -= 1.0;
+            }
+        }
+    }
+    let max = matrix.iter().flatten().fold(0f32, |m, &v| m.max(v.abs()));
+    let scaled: Vec<Vec<f32>> = matrix
+        .iter()
+        .map(|r| r.iter().map(|v| v / max.max(f32::MIN_POSITIVE)).collect())
+        .collect();
+    writeln!(out, "\nexplanation: {}", e.title(args.layer, args.head))?;
+    let shown = if grad {
+        "(relevance - identity)"
+    } else {
+        "value"
+    };
+    writeln!(out, "cells = {shown} / {max:.4e} x 100")?;
+    write!(out, "{}", render_heatmap(&view.tokens, &scaled, style))?;
+    let row = if decoder {
+        matrix.len().saturating_sub(1)
+    } else {
+        0
+    };
+    let who = view.tokens.get(row).cloned().unwrap_or_default();
+    let ranked: Vec<String> = ranking(&view.tokens, &matrix, row)
+        .into_iter()
+        .take(10)
+        .map(|(t, v)| format!("{t} {v:.3e}"))
+        .collect();
+    writeln!(out, "ranked for {who} (row {row}): {}", ranked.join(", "))?;
     Ok(())
 }
 
@@ -363,6 +468,25 @@ impl Network {
             |n| n.to_string_lossy().into_owned(),
         );
         Ok(Self::Decoder { name, model, text })
+    }
+
+    /// One sentence's explanation (see [`Explanation`]).
+    fn explain(
+        &self,
+        item: &EncodedText,
+        method: ExplainMethod,
+        against: Option<&str>,
+        target_token: Option<u32>,
+        device: &Device,
+    ) -> anyhow::Result<Explanation> {
+        Ok(match self {
+            Self::Encoder(m) => {
+                Explanation::encoder(&m.encoder, &m.text, item, method, against, device)?
+            }
+            Self::Decoder { model, .. } => {
+                Explanation::decoder(model, &item.ids, method, target_token, device)?
+            }
+        })
     }
 
     /// Query heads per key/value head (1 for an encoder).
@@ -438,9 +562,10 @@ impl Network {
                 .iter()
                 .map(|t| {
                     let mut item = text.encode(t)?;
-                    let ids = Tensor::new(item.ids.as_slice(), device)?.unsqueeze(0)?; // (1, seq)
-                                                                                       // Decoders park spare weight on the first token (an attention sink):
-                                                                                       // like [CLS] in an encoder, it does not count when picking a head.
+                    // (1, seq)
+                    let ids = Tensor::new(item.ids.as_slice(), device)?.unsqueeze(0)?;
+                    // Decoders park spare weight on the first token (an attention sink):
+                    // like [CLS] in an encoder, it does not count when picking a head.
                     if let Some(first) = item.special.first_mut() {
                         *first = true;
                     }

@@ -10,3 +10,4 @@ pub(crate) mod kv_cache;
 pub(crate) mod llama;
 pub(crate) mod resolver;
 pub(crate) mod rope;
+pub(crate) mod trace;

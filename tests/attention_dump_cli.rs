@@ -1178,3 +1178,130 @@ fn decoders_dump_causal_attentions() -> anyhow::Result<()> {
     }
     Ok(())
 }
+
+// ---------------------------------------------------------------------------------------
+// --explain
+// ---------------------------------------------------------------------------------------
+
+/// Each JSON line of `args` (with `--format json`), parsed as it is.
+fn json_values(args: &[&str]) -> anyhow::Result<Vec<serde_json::Value>> {
+    let mut all = vec!["--format", "json"];
+    all.extend_from_slice(args);
+    run_ok(&all)?
+        .lines()
+        .map(|l| Ok(serde_json::from_str(l)?))
+        .collect()
+}
+
+fn matrix_of(v: &serde_json::Value) -> anyhow::Result<Vec<Vec<f32>>> {
+    Ok(serde_json::from_value(v.clone())?)
+}
+
+/// `--explain` adds `"explain"` after the other fields, which stay as they are: rollout's
+/// rows sum to 1; grad names its target and text, its value is the cosine similarity, and
+/// its matrix equals transformers' (the golden fixture); norm has every layer and head;
+/// `--words` gives matrices over words.
+#[test]
+fn explain_adds_its_object_to_each_sentence() -> anyhow::Result<()> {
+    let fx: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(repo_path(
+        "tests/fixtures/explain/minilm.json",
+    ))?)?;
+    let case = &fx["cases"][0];
+    let (text, against) = (
+        case["text"].as_str().context("text")?,
+        case["against"].as_str().context("against")?,
+    );
+    for v in json_values(&["--explain", "rollout", text, ANIMAL])? {
+        let keys: Vec<&str> = v
+            .as_object()
+            .context("object")?
+            .keys()
+            .map(String::as_str)
+            .collect();
+        let mut want = KEYS.to_vec();
+        want.push("explain");
+        let mut sorted_keys = keys.clone();
+        sorted_keys.sort_unstable();
+        want.sort_unstable();
+        ensure!(sorted_keys == want, "keys {keys:?}");
+        ensure!(v["explain"]["method"] == "rollout");
+        let m = matrix_of(&v["explain"]["matrix"])?;
+        let n = v["tokens"].as_array().context("tokens")?.len();
+        ensure!(
+            m.len() == n && m.iter().all(|r| r.len() == n),
+            "rollout is not (seq, seq)"
+        );
+        for row in &m {
+            ensure!(
+                (row.iter().sum::<f32>() - 1.0).abs() < 1e-4,
+                "a rollout row sums to {}",
+                row.iter().sum::<f32>()
+            );
+        }
+    }
+    let v = &json_values(&["--explain", "grad", "--against", against, text])?[0];
+    let e = &v["explain"];
+    ensure!(
+        e["method"] == "grad" && e["target"] == "cosine" && e["against"] == against,
+        "{e}"
+    );
+    let value = e["value"].as_f64().context("value")?;
+    let want_value = case["grad"]["value"].as_f64().context("fixture value")?;
+    ensure!(
+        (value - want_value).abs() < 1e-5,
+        "cosine {value} vs {want_value}"
+    );
+    let got: Vec<f32> = matrix_of(&e["matrix"])?.concat();
+    let want: Vec<f32> = matrix_of(&case["grad"]["matrix"])?.concat();
+    let scale = want.iter().fold(0f32, |m, v| m.max(v.abs()));
+    let worst = got
+        .iter()
+        .zip(&want)
+        .map(|(a, b)| (a - b).abs())
+        .fold(0f32, f32::max);
+    ensure!(
+        got.len() == want.len() && worst <= 1e-4 * scale,
+        "grad differs by {worst}"
+    );
+    let v = &json_values(&["--explain", "norm", "--layer", "1", "--head", "2", text])?[0];
+    let norms: Vec<Vec<Vec<Vec<f32>>>> = serde_json::from_value(v["explain"]["norms"].clone())?;
+    ensure!(
+        norms.len() == LAYERS && norms.iter().all(|l| l.len() == HEADS),
+        "norms are not [layers][heads]"
+    );
+    let words = &json_values(&["--words", "--explain", "rollout", SPLIT_WORDS])?[0];
+    let n = words["tokens"].as_array().context("tokens")?.len();
+    ensure!(
+        matrix_of(&words["explain"]["matrix"])?.len() == n,
+        "--words: not over words"
+    );
+    Ok(())
+}
+
+/// The terminal names the method and ranks the input tokens for `[CLS]`.
+#[test]
+fn explain_in_the_terminal_ranks_tokens() -> anyhow::Result<()> {
+    let out = run_ok(&["--explain", "norm", "--no-color", ANIMAL])?;
+    ensure!(out.contains("explanation: value-weighted norms"), "{out}");
+    ensure!(out.contains("ranked for [CLS] (row 0): "), "{out}");
+    Ok(())
+}
+
+#[test]
+fn explain_errors_name_the_missing_piece() -> anyhow::Result<()> {
+    expect_error(&["--explain", "grad", ANIMAL], &["--against"])?;
+    expect_error(&["--against", "a text", ANIMAL], &["--against"])?;
+    expect_error(
+        &[
+            "--explain",
+            "grad",
+            "--against",
+            "x",
+            "--target-token",
+            "3",
+            ANIMAL,
+        ],
+        &["--target-token"],
+    )?;
+    Ok(())
+}

@@ -22,6 +22,24 @@ pub(crate) fn explicit(
     scale: f64,
     need_weights: bool,
 ) -> Result<AttentionOutput> {
+    explicit_probed(q, k, v, mask, scale, need_weights, None)
+}
+
+/// [`explicit`], with `probe` (zeros, a variable) added to the weights where they multiply
+/// `V`: candle's backward keeps the gradients of variables only, and the probe's gradient
+/// is the gradient with respect to the weights (explanations read it).
+///
+/// # Shapes
+/// - `probe`: `(batch, heads, seq_q, seq_k)` f32; the rest as [`explicit`]
+pub(crate) fn explicit_probed(
+    q: &Tensor,
+    k: &Tensor,
+    v: &Tensor,
+    mask: Option<&AttentionMask>,
+    scale: f64,
+    need_weights: bool,
+    probe: Option<&Tensor>,
+) -> Result<AttentionOutput> {
     let (b, h, sq, dk) = q.dims4()?;
     let (_, kv, sk, _) = k.dims4()?;
     let (_, _, _, dv) = v.dims4()?;
@@ -53,7 +71,11 @@ pub(crate) fn explicit(
     let scores = qg.matmul(&k.contiguous()?.t()?)?; // (b, kv, g*sq, sk)
     let scores = scores.reshape((b, h, sq, sk))?; // (b, h, sq, sk)
     let probs = masked_softmax(&scores, bias.as_ref())?; // (b, h, sq, sk) f32
-    let pv = probs
+    let used = match probe {
+        Some(p) => (&probs + p)?,
+        None => probs.clone(),
+    };
+    let pv = used
         .to_dtype(compute)?
         .reshape((b, kv, g * sq, sk))? // (b, kv, g*sq, sk)
         .matmul(&v.contiguous()?)?; // (b, kv, g*sq, dv)

@@ -1,6 +1,6 @@
 //! Multi-head self-attention (and cross-attention) with fused Q/K/V projections.
 
-use candle_core::{DType, Module, Tensor};
+use candle_core::{DType, Module, Tensor, D};
 use candle_nn::VarBuilder;
 
 use crate::attention::cost::{layer_cost, AttentionCost, LayerDims};
@@ -474,6 +474,39 @@ impl MultiHeadSelfAttention {
             .reshape((b, t, kvh, vhd))?
             .transpose(1, 2)?; // (b, kvh, t, vhd)
         Ok((q, k, v))
+    }
+
+    /// The score scale: the configured one or `1 / sqrt(head_dim)`.
+    pub(crate) fn score_scale(&self) -> f64 {
+        self.scale_or_default()
+    }
+
+    /// `‖f_h(x_j)‖` for every head `h` and position `j`: the norm of `x_j`'s value carried
+    /// through the head's slice of `W_O`, `f_h(x_j) = (x_j W_V^h + b_V^h) W_O^h` (no output
+    /// bias), what head `h` can move of token `j` (Kobayashi et al. 2020). Without `W_O`, the
+    /// value's norm. Query heads read their group's key/value head.
+    ///
+    /// # Shapes
+    /// - `x`: `(batch, seq, hidden)`; returns `(batch, heads, seq)` f32
+    pub fn value_output_norms(&self, x: &Tensor) -> Result<Tensor> {
+        let (_, _, v) = self.project_qkv(x)?; // (b, kvh, t, vhd)
+        let (b, kvh, t, vhd) = v.dims4()?;
+        let h = self.proj.dims.heads;
+        let v = v
+            .to_dtype(DType::F32)?
+            .unsqueeze(2)?
+            .expand((b, kvh, h / kvh, t, vhd))?
+            .reshape((b, h, t, vhd))?; // (b, h, t, vhd): query head h reads kv head h / group
+        let f = match &self.proj.out_proj {
+            Some(o) => {
+                let w = o.weight_t.tensor()?.to_dtype(DType::F32)?; // (h * vhd, out)
+                let out = w.dim(1)?;
+                let w = w.reshape((h, vhd, out))?.unsqueeze(0)?; // (1, h, vhd, out)
+                v.broadcast_matmul(&w)? // (b, h, t, out)
+            }
+            None => v,
+        };
+        Ok(f.sqr()?.sum(D::Minus1)?.sqrt()?)
     }
 
     /// The heads merged and `W_O` applied: the second half of an attention call (see

@@ -8,6 +8,7 @@ use candle_core::{CpuStorage, DType, Device, Storage, Tensor};
 use candle_nn::{Embedding, LayerNorm, Module, VarBuilder};
 use rayon::prelude::*;
 
+use crate::attention::explicit::explicit_probed;
 use crate::attention::mask::AttentionMask;
 use crate::attention::multi_head::MultiHeadSelfAttention;
 use crate::attention::projections::linear_in_out;
@@ -19,6 +20,7 @@ use crate::kernels::encoder::feed_forward::{
 };
 use crate::kernels::gemm::matrix::HalfRows;
 use crate::kernels::gemm::packed::PackedWeight;
+use crate::models::trace::{graph_input, probe, ForwardTrace, TraceOptions};
 use crate::weights::checkpoint::Checkpoint;
 use crate::weights::config::{AttentionConfig, HfConfig};
 use crate::weights::layout::WeightLayout;
@@ -485,6 +487,47 @@ impl BertLayer {
     }
 }
 
+impl BertLayer {
+    /// [`BertLayer::forward`] in candle's differentiable ops (the explicit attention, the
+    /// composed LayerNorms), returning the attention probabilities as the graph node the
+    /// context is computed from.
+    ///
+    /// # Shapes
+    /// - `x`: `(batch, seq, hidden)`; returns `(batch, seq, hidden)` and `(batch, heads,
+    ///   seq, seq)` f32
+    fn forward_traced(
+        &self,
+        x: &Tensor,
+        mask: Option<&AttentionMask>,
+        probe: Option<&Tensor>,
+    ) -> Result<(Tensor, Tensor)> {
+        let (q, k, v) = self.attention.project_qkv(x)?;
+        let scale = self.attention.score_scale();
+        let out = explicit_probed(&q, &k, &v, mask, scale, true, probe)?;
+        let probs = out
+            .weights
+            .ok_or_else(|| Error::Kernel("the explicit attention returned no weights".into()))?;
+        let context = self.attention.merge_heads(&out.context)?;
+        let norm = |ln: &LayerNorm, x: &Tensor| -> Result<Tensor> {
+            let bias = ln
+                .bias()
+                .ok_or_else(|| Error::config("a BERT LayerNorm without bias"))?;
+            Ok(candle_nn::ops::layer_norm_slow(
+                x,
+                ln.weight(),
+                bias,
+                ln.eps() as f32,
+            )?)
+        };
+        let h = norm(&self.attention_norm, &(context + x)?)?;
+        let ff = self.activation.apply(&self.intermediate.forward(&h)?)?;
+        Ok((
+            norm(&self.output_norm, &(self.output.forward(&ff)? + h)?)?,
+            probs,
+        ))
+    }
+}
+
 /// What [`BertEncoder::forward`] returns.
 #[derive(Debug, Clone)]
 pub struct EncoderOutput {
@@ -661,6 +704,51 @@ impl BertEncoder {
         Ok(EncoderOutput {
             hidden_states: x,
             attentions,
+        })
+    }
+}
+
+impl BertEncoder {
+    /// One sentence through the encoder, kept for explanations: every layer's attention
+    /// probabilities and, when asked, its value norms; with `opts.grad` the embeddings'
+    /// output is a variable, so that the probabilities are nodes of the graph a target's
+    /// gradient flows through.
+    ///
+    /// # Shapes
+    /// - `input_ids`, `token_type_ids`: `(1, seq)`
+    pub(crate) fn trace(
+        &self,
+        input_ids: &Tensor,
+        token_type_ids: &Tensor,
+        opts: TraceOptions,
+    ) -> Result<ForwardTrace> {
+        let (b, t) = input_ids.dims2()?;
+        if b != 1 || t == 0 {
+            return Err(Error::input(
+                "input_ids",
+                "one sequence of at least one token (1, seq)",
+                format!("shape {:?}", input_ids.dims()),
+            ));
+        }
+        let x = self.embeddings.forward(input_ids, token_type_ids)?;
+        let mut x = graph_input(x, opts.grad)?;
+        let mut attentions = Vec::with_capacity(self.layers.len());
+        let (mut value_norms, mut probes) = (Vec::new(), Vec::new());
+        for layer in &self.layers {
+            if opts.value_norms {
+                value_norms.push(layer.attention.value_output_norms(&x.detach())?);
+            }
+            let p = probe(opts.grad, layer.attention.num_heads(), t, x.device())?;
+            let (next, probs) = layer.forward_traced(&x, None, p.as_ref())?;
+            attentions.push(probs);
+            probes.extend(p);
+            x = next;
+        }
+        Ok(ForwardTrace {
+            output: x,
+            attentions,
+            probes,
+            value_norms,
         })
     }
 }

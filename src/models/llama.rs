@@ -11,6 +11,7 @@ use candle_nn::{Embedding, Linear, RmsNorm, VarBuilder};
 use serde::Deserialize;
 use serde_json::Value;
 
+use crate::attention::explicit::explicit_probed;
 use crate::attention::mask::AttentionMask;
 use crate::attention::multi_head::MultiHeadSelfAttention;
 use crate::attention::projections::LayerProjections;
@@ -20,6 +21,7 @@ use crate::kernels::decode::gemv::{one_row_gated, one_row_linear};
 use crate::kernels::decode::widen;
 use crate::models::kv_cache::KvCache;
 use crate::models::rope::{RopeConfig, RopeLayout, RotaryEmbedding};
+use crate::models::trace::{graph_input, probe, ForwardTrace, TraceOptions};
 use crate::weights::config::{read_config_file, AttentionConfig};
 use crate::weights::gguf::GgufFile;
 use crate::weights::gguf_layout;
@@ -411,6 +413,45 @@ impl DecoderLayer {
     }
 }
 
+impl DecoderLayer {
+    /// A fresh prompt `x` `(1, seq, hidden)` through the layer in candle's differentiable ops
+    /// (no cache, the explicit attention, the composed norms and rotary embedding): the
+    /// output, the attention probabilities `(1, heads, seq, seq)` f32 as the graph node the
+    /// context is computed from, and the normed input the attention read.
+    fn forward_traced(
+        &self,
+        x: &Tensor,
+        rope: &RotaryEmbedding,
+        probe: Option<&Tensor>,
+    ) -> Result<(Tensor, Tensor, Tensor)> {
+        let (_, t, _) = x.dims3()?;
+        let h = self
+            .input_norm
+            .forward_diff(x)?
+            .to_dtype(self.attn.dtype())?;
+        let (q, k, v) = self.attn.project_qkv(&h)?;
+        let (q, k) = (rope.apply(&q, 0)?, rope.apply(&k, 0)?);
+        let mask = match self.window {
+            Some(w) if t > w => {
+                let keep: Vec<u8> = (0..t)
+                    .flat_map(|i| (0..t).map(move |j| u8::from(j <= i && j + w > i)))
+                    .collect();
+                AttentionMask::keep(&Tensor::from_vec(keep, (t, t), x.device())?)?
+            }
+            _ => AttentionMask::causal(),
+        };
+        let scale = 1.0 / (q.dim(3)? as f64).sqrt();
+        let out = explicit_probed(&q, &k, &v, Some(&mask), scale, true, probe)?;
+        let probs = out
+            .weights
+            .ok_or_else(|| Error::Kernel("the explicit attention returned no weights".into()))?;
+        let attn = self.attn.merge_heads(&out.context)?.to_dtype(x.dtype())?;
+        let x = (x + attn)?;
+        let m = self.mlp.forward(&self.post_norm.forward_diff(&x)?)?;
+        Ok(((x + m)?, probs, h))
+    }
+}
+
 /// A LLaMA-family causal language model.
 ///
 /// With f16 / bf16 weights on the CPU the weights and the KV cache stay in the half format
@@ -622,6 +663,47 @@ impl LlamaModel {
             }
         }
         Ok((self.norm.forward(&x)?, all))
+    }
+
+    /// A fresh prompt `ids` `(1, seq)` kept for explanations: the last position's logits
+    /// `(1, vocab)`, every layer's attention probabilities and, when asked, its value norms
+    /// (of the normed input the attention reads); with `opts.grad` the embeddings are a
+    /// variable, so that the probabilities are nodes of the graph a logit's gradient flows
+    /// through.
+    pub(crate) fn trace(&self, ids: &Tensor, opts: TraceOptions) -> Result<ForwardTrace> {
+        let (b, t) = ids.dims2()?;
+        if b != 1 || t == 0 {
+            return Err(Error::input(
+                "ids",
+                "one sequence of at least one token (1, seq)",
+                format!("shape {:?}", ids.dims()),
+            ));
+        }
+        let x = self.embed.forward(ids)?.to_dtype(self.compute)?; // (1, t, hidden)
+        let mut x = graph_input(x, opts.grad)?;
+        let mut attentions = Vec::with_capacity(self.layers.len());
+        let (mut value_norms, mut probes) = (Vec::new(), Vec::new());
+        for layer in &self.layers {
+            let p = probe(opts.grad, layer.attn.num_heads(), t, x.device())?;
+            let (next, probs, h) = layer.forward_traced(&x, &self.rope, p.as_ref())?;
+            if opts.value_norms {
+                value_norms.push(layer.attn.value_output_norms(&h.detach())?);
+            }
+            attentions.push(probs);
+            probes.extend(p);
+            x = next;
+        }
+        let last = self
+            .norm
+            .forward_diff(&x)?
+            .narrow(1, t - 1, 1)?
+            .squeeze(1)?; // (1, hidden)
+        Ok(ForwardTrace {
+            output: self.lm_head.forward(&last)?.to_dtype(DType::F32)?,
+            attentions,
+            probes,
+            value_norms,
+        })
     }
 
     /// Number of decoder layers.

@@ -303,9 +303,14 @@ impl RotaryEmbedding {
                 Some(xf.narrow(3, r, d - r)?),     // (b, h, t, d - rot)
             )
         };
-        let rotated = match self.cfg.layout {
-            RopeLayout::Half => candle_nn::rotary_emb::rope(&rot, &cos, &sin)?,
-            RopeLayout::Interleaved => candle_nn::rotary_emb::rope_i(&rot, &cos, &sin)?,
+        // candle's fused kernels have no backward: the composed forms where gradients flow.
+        let rotated = match (self.cfg.layout, rot.track_op()) {
+            (RopeLayout::Half, false) => candle_nn::rotary_emb::rope(&rot, &cos, &sin)?,
+            (RopeLayout::Half, true) => candle_nn::rotary_emb::rope_slow(&rot, &cos, &sin)?,
+            (RopeLayout::Interleaved, false) => candle_nn::rotary_emb::rope_i(&rot, &cos, &sin)?,
+            (RopeLayout::Interleaved, true) => {
+                candle_nn::rotary_emb::rope_i_slow(&rot, &cos, &sin)?
+            }
         };
         let out = match pass {
             Some(p) => Tensor::cat(&[&rotated, &p], 3)?,

@@ -5,7 +5,8 @@ use serde::Serialize;
 
 use crate::error::{Error, Result};
 use crate::text::EncodedText;
-use crate::viz::words::{word_groups, WordGroup};
+use crate::viz::explain::Explanation;
+use crate::viz::words::{aggregate, word_groups};
 
 /// Which layers and heads to keep (`None` = all).
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
@@ -20,7 +21,8 @@ pub struct DumpSelection {
 /// key token `j` in layer `layer_ids[l]`, head `head_ids[h]`.
 ///
 /// Serializes (for `--format json`) to exactly
-/// `{"model", "text", "tokens", "shape", "attentions"}`.
+/// `{"model", "text", "tokens", "shape", "attentions"}`, plus `"explain"` (see
+/// [`Explanation`]) when an explanation is attached.
 #[derive(Debug, Clone, Serialize)]
 pub struct AttentionDump {
     /// The model's name.
@@ -39,6 +41,9 @@ pub struct AttentionDump {
     /// Real head number of each entry of `attentions[l]`.
     #[serde(skip)]
     pub head_ids: Vec<usize>,
+    /// An explanation of the sentence (`--explain`), when asked for.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub explain: Option<Explanation>,
 }
 
 impl AttentionDump {
@@ -101,6 +106,7 @@ impl AttentionDump {
             attentions: out,
             layer_ids,
             head_ids,
+            explain: None,
         })
     }
 
@@ -119,6 +125,7 @@ impl AttentionDump {
             tokens,
             shape: [self.shape[0], self.shape[1], n, n],
             attentions,
+            explain: self.explain.map(|e| e.into_words(item)),
             ..self
         }
     }
@@ -214,26 +221,6 @@ fn mean_entropy(m: &[Vec<f32>], special: &[bool]) -> f32 {
     }
 }
 
-/// `W[I][J] = mean_{i in I} sum_{j in J} A[i][j]`.
-fn aggregate(m: &[Vec<f32>], groups: &[WordGroup]) -> Vec<Vec<f32>> {
-    groups
-        .iter()
-        .map(|gi| {
-            groups
-                .iter()
-                .map(|gj| {
-                    let sum: f32 = gi
-                        .tokens
-                        .clone()
-                        .map(|i| gj.tokens.clone().map(|j| m[i][j]).sum::<f32>())
-                        .sum();
-                    sum / gi.tokens.len() as f32
-                })
-                .collect()
-        })
-        .collect()
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -270,6 +257,7 @@ mod tests {
             attentions: vec![vec![m]],
             layer_ids: vec![0],
             head_ids: vec![0],
+            explain: None,
         };
         let w = dump.into_words(&item());
         assert_eq!(w.tokens, vec!["[CLS]", "playing", "ball", "[SEP]"]);
@@ -318,6 +306,7 @@ mod tests {
             attentions: vec![vec![identity.clone(), previous], vec![parking, relational]],
             layer_ids: vec![0, 1],
             head_ids: vec![0, 1],
+            explain: None,
         };
         assert_eq!(dump.sharpest_head(&special), (1, 1));
         // Restricted to head 0 (identity or parking), the most relational of those.

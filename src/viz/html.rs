@@ -88,6 +88,7 @@ mod tests {
             attentions: vec![vec![vec![vec![1.0]]]],
             layer_ids: vec![0],
             head_ids: vec![0],
+            explain: None,
         };
         let page = render_html(std::slice::from_ref(&dump), "t", false)?;
         assert!(!page.contains(DATA_SLOT) && !page.contains(META_SLOT));

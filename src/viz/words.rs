@@ -52,3 +52,24 @@ pub fn word_groups(item: &EncodedText) -> Vec<WordGroup> {
     }
     groups
 }
+
+/// `m` `(seq, seq)` over words: a word's value as a key is the sum over its pieces, as a
+/// query the mean over its pieces, `W[I][J] = mean_{i in I} sum_{j in J} A[i][j]`.
+pub(crate) fn aggregate(m: &[Vec<f32>], groups: &[WordGroup]) -> Vec<Vec<f32>> {
+    groups
+        .iter()
+        .map(|gi| {
+            groups
+                .iter()
+                .map(|gj| {
+                    let sum: f32 = gi
+                        .tokens
+                        .clone()
+                        .map(|i| gj.tokens.clone().map(|j| m[i][j]).sum::<f32>())
+                        .sum();
+                    sum / gi.tokens.len() as f32
+                })
+                .collect()
+        })
+        .collect()
+}

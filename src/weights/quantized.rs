@@ -134,7 +134,7 @@ impl QuantWeight {
             ));
         }
         let rows = x.elem_count() / inp.max(1);
-        if rows <= FEW_ROWS {
+        if rows <= FEW_ROWS && !x.track_op() {
             // One pass over the blocks per row: cheaper than dequantizing the whole weight.
             let xs: Vec<f32> = x.flatten_all()?.to_vec1()?;
             let mut y = vec![0f32; rows * self.rows];
@@ -144,8 +144,8 @@ impl QuantWeight {
             }
             return output_like(x, y, self.rows);
         }
-        // Several rows: the weight dequantized once for the call, multiplied as a dense
-        // layer would.
+        // Several rows (or `x` tracking gradients): the weight dequantized once for the
+        // call, multiplied as a dense layer would.
         let w = self.dequantize(x.device())?;
         Ok(Linear::new(w, None).forward(x)?)
     }
