@@ -26,8 +26,8 @@ use std::time::Instant;
 
 use anyhow::{bail, Context};
 use candle_attention::viz::{
-    ranking, render_heatmap, render_html_grouped, AttentionDump, DumpSelection, ExplainMethod,
-    Explanation, HeatmapStyle,
+    ranking, render_heatmap, render_html_grouped, render_svg, render_top_keys, AttentionDump,
+    DumpSelection, ExplainMethod, Explanation, HeatmapStyle, HEATMAP_MAX_TOKENS,
 };
 use candle_attention::{
     into_length_sorted_batches, parse_dtype, select_device, Checkpoint, EncodedText, GgufFile,
@@ -36,6 +36,9 @@ use candle_attention::{
 use candle_core::{DType, Device, Tensor};
 use clap::{Parser, ValueEnum};
 use common::Sentences;
+
+/// Keys listed per query for inputs too long for a heatmap.
+const TOP_KEYS: usize = 5;
 
 /// Batches per window of sentences sorted by length together (each window's dumps are
 /// held until it is written in input order).
@@ -101,6 +104,10 @@ struct Args {
     /// Plain characters instead of colors (also when NO_COLOR is set or stdout is not a terminal).
     #[arg(long)]
     no_color: bool,
+    /// Write the heatmap that is shown (the head, or the explanation with --explain) as a
+    /// standalone SVG picture; several sentences: FILE, FILE-2, ... (stem-N.svg).
+    #[arg(long)]
+    svg: Option<PathBuf>,
     /// Explain each sentence beside the raw weights: rollout, grad or norm.
     #[arg(long, value_parser = ["rollout", "grad", "norm"])]
     explain: Option<String>,
@@ -202,6 +209,7 @@ fn run(args: Args) -> anyhow::Result<()> {
     let mut stdout = std::io::stdout().lock();
     let t1 = Instant::now();
     let mut shown = 0;
+    let mut pictures = 0;
     loop {
         let window = sentences.next_window(args.batch_size * WINDOW_BATCHES)?;
         if window.is_empty() {
@@ -216,15 +224,15 @@ fn run(args: Args) -> anyhow::Result<()> {
             |item, index, attentions| {
                 let mut json =
                     AttentionDump::from_batch(&name, item, index, attentions, json_select)?;
-                let mut view = match text {
-                    Some(_) => Some(AttentionDump::from_batch(
+                let mut view = match text.is_some() || args.svg.is_some() {
+                    true => Some(AttentionDump::from_batch(
                         &name,
                         item,
                         index,
                         attentions,
                         view_select,
                     )?),
-                    None => None,
+                    false => None,
                 };
                 if let Some(method) = explain {
                     let e = net.explain(
@@ -250,7 +258,14 @@ fn run(args: Args) -> anyhow::Result<()> {
                 serde_json::to_writer(&mut *w, &json)?;
                 w.write_all(b"\n")?;
             }
-            if let (Some(style), Some(view)) = (text, view) {
+            let picture = view.as_ref().map(|v| (Shown::of(&args, v, &item), v));
+            if let (Some(path), Some((what, v))) = (&args.svg, &picture) {
+                let path = svg_path(path, pictures + 1);
+                std::fs::write(&path, what.picture(v))
+                    .with_context(|| format!("cannot write {}", path.display()))?;
+                pictures += 1;
+            }
+            if let (Some(style), Some((what, view))) = (text, picture) {
                 if shown == 0 {
                     // After the first window is read and run: an error there leaves stdout empty.
                     writeln!(
@@ -263,8 +278,8 @@ fn run(args: Args) -> anyhow::Result<()> {
                 print_view(
                     &mut stdout,
                     &args,
-                    &view,
-                    &item,
+                    view,
+                    &what,
                     numbered.then_some(shown),
                     style,
                     is_decoder,
@@ -306,12 +321,73 @@ fn run(args: Args) -> anyhow::Result<()> {
     Ok(())
 }
 
+/// What a person is shown of one sentence: a head's weights, and the explanation when asked.
+struct Shown {
+    /// `layer L, head H (why)`.
+    head_title: String,
+    head: Vec<Vec<f32>>,
+    /// The explanation's title and matrix as shown (grad: without the identity).
+    explanation: Option<(String, Vec<Vec<f32>>)>,
+}
+
+impl Shown {
+    fn of(args: &Args, view: &AttentionDump, item: &EncodedText) -> Self {
+        let special: Vec<bool> = if args.words {
+            view.tokens
+                .iter()
+                .map(|t| t.starts_with('[') && t.ends_with(']'))
+                .collect()
+        } else {
+            item.special.clone()
+        };
+        let (lp, hp) = view.sharpest_among(&special, args.head);
+        let why = match (args.layer, args.head) {
+            (Some(_), Some(_)) => "chosen with --layer and --head",
+            (None, Some(_)) => "chosen with --head; the layer where it is sharpest",
+            (Some(_), None) => {
+                "the sharpest head of this layer that relates words to other words, not to themselves, their neighbours or [CLS]/[SEP]"
+            }
+            (None, None) => {
+                "the sharpest head that relates words to other words, not to themselves, their neighbours or [CLS]/[SEP]"
+            }
+        };
+        let explanation = view.explain.as_ref().map(|e| {
+            let mut matrix = e.view(args.layer, args.head);
+            if e.method() == ExplainMethod::Grad {
+                // The identity (each token's own share) dwarfs the rest: shown without it.
+                for (i, row) in matrix.iter_mut().enumerate() {
+                    if let Some(d) = row.get_mut(i) {
+                        *d -= 1.0;
+                    }
+                }
+            }
+            (e.title(args.layer, args.head), matrix)
+        });
+        Self {
+            head_title: format!(
+                "layer {}, head {} ({why})",
+                view.layer_ids[lp], view.head_ids[hp]
+            ),
+            head: view.attentions[lp][hp].clone(),
+            explanation,
+        }
+    }
+
+    /// The picture `--svg` writes: the explanation when there is one, else the head.
+    fn picture(&self, view: &AttentionDump) -> String {
+        match &self.explanation {
+            Some((title, m)) => render_svg(&view.tokens, m, title),
+            None => render_svg(&view.tokens, &self.head, &self.head_title),
+        }
+    }
+}
+
 /// One sentence's tokens and heatmap; `number` heads it when there are several.
 fn print_view(
     out: &mut impl Write,
     args: &Args,
     view: &AttentionDump,
-    item: &EncodedText,
+    shown: &Shown,
     number: Option<usize>,
     style: HeatmapStyle,
     decoder: bool,
@@ -333,85 +409,82 @@ fn print_view(
         if args.words { "words" } else { "tokens" },
         tokens.join(" ")
     )?;
-    let special: Vec<bool> = if args.words {
-        view.tokens
-            .iter()
-            .map(|t| t.starts_with('[') && t.ends_with(']'))
-            .collect()
-    } else {
-        item.special.clone()
-    };
-    let (lp, hp) = view.sharpest_among(&special, args.head);
-    let why = match (args.layer, args.head) {
-        (Some(_), Some(_)) => "chosen with --layer and --head",
-        (None, Some(_)) => "chosen with --head; the layer where it is sharpest",
-        (Some(_), None) => {
-            "the sharpest head of this layer that relates words to other words, not to themselves, their neighbours or [CLS]/[SEP]"
-        }
-        (None, None) => {
-            "the sharpest head that relates words to other words, not to themselves, their neighbours or [CLS]/[SEP]"
-        }
-    };
-    let layer = view.layer_ids[lp];
-    let head = view.head_ids[hp];
-    writeln!(out, "layer {layer}, head {head} ({why})")?;
-    write!(
-        out,
-        "{}",
-        render_heatmap(&view.tokens, &view.attentions[lp][hp], style)
-    )?;
-    if let Some(e) = &view.explain {
-        print_explanation(out, args, view, e, decoder, style)?;
+    writeln!(out, "{}", shown.head_title)?;
+    write!(out, "{}", draw(&view.tokens, &shown.head, style))?;
+    if let Some((title, matrix)) = &shown.explanation {
+        let grad = view
+            .explain
+            .as_ref()
+            .is_some_and(|e| e.method() == ExplainMethod::Grad);
+        print_explanation(out, view, title, matrix, grad, decoder, style)?;
     }
     Ok(())
+}
+
+/// A heatmap, or for inputs too long for one each query's top keys.
+fn draw(tokens: &[String], matrix: &[Vec<f32>], style: HeatmapStyle) -> String {
+    if tokens.len() > HEATMAP_MAX_TOKENS {
+        format!(
+            "{} tokens: each query's top keys (values x 100) instead of a heatmap\n{}",
+            tokens.len(),
+            render_top_keys(tokens, matrix, TOP_KEYS)
+        )
+    } else {
+        render_heatmap(tokens, matrix, style)
+    }
 }
 
 /// The explanation's matrix (scaled by its largest entry) and the input tokens ranked for
 /// the row that matters: `[CLS]` for an encoder, the last position for a decoder.
 fn print_explanation(
     out: &mut impl Write,
-    args: &Args,
     view: &AttentionDump,
-    e: &Explanation,
+    title: &str,
+    matrix: &[Vec<f32>],
+    grad: bool,
     decoder: bool,
     style: HeatmapStyle,
 ) -> anyhow::Result<()> {
-    let mut matrix = e.view(args.layer, args.head);
-    let grad = e.method() == ExplainMethod::Grad;
-    if grad {
-        // The identity (each token's own share) dwarfs the rest: shown without it.
-        for (i, row) in matrix.iter_mut().enumerate() {
-            if let Some(d) = row.get_mut(i) {
-                *d -= 1.0;
-            }
-        }
-    }
     let max = matrix.iter().flatten().fold(0f32, |m, &v| m.max(v.abs()));
     let scaled: Vec<Vec<f32>> = matrix
         .iter()
         .map(|r| r.iter().map(|v| v / max.max(f32::MIN_POSITIVE)).collect())
         .collect();
-    writeln!(out, "\nexplanation: {}", e.title(args.layer, args.head))?;
-    let shown = if grad {
+    writeln!(out, "\nexplanation: {title}")?;
+    let what = if grad {
         "(relevance - identity)"
     } else {
         "value"
     };
-    writeln!(out, "cells = {shown} / {max:.4e} x 100")?;
-    write!(out, "{}", render_heatmap(&view.tokens, &scaled, style))?;
+    writeln!(out, "cells = {what} / {max:.4e} x 100")?;
+    write!(out, "{}", draw(&view.tokens, &scaled, style))?;
     let row = if decoder {
         matrix.len().saturating_sub(1)
     } else {
         0
     };
     let who = view.tokens.get(row).cloned().unwrap_or_default();
-    let ranked: Vec<String> = ranking(&view.tokens, &matrix, row)
+    let ranked: Vec<String> = ranking(&view.tokens, matrix, row)
         .into_iter()
         .take(10)
         .map(|(t, v)| format!("{t} {v:.3e}"))
         .collect();
     writeln!(out, "ranked for {who} (row {row}): {}", ranked.join(", "))?;
     Ok(())
+}
+
+/// `--svg`'s path for sentence `number` (1-based) of several: `out.svg`, `out-2.svg`, ...
+fn svg_path(path: &Path, number: usize) -> PathBuf {
+    if number <= 1 {
+        return path.to_path_buf();
+    }
+    let stem = path
+        .file_stem()
+        .map_or_else(String::new, |s| s.to_string_lossy().into_owned());
+    let ext = path
+        .extension()
+        .map_or_else(String::new, |e| format!(".{}", e.to_string_lossy()));
+    path.with_file_name(format!("{stem}-{number}{ext}"))
 }
 
 /// The model behind the dump: a BERT-family encoder (sentences batched with padding) or a

@@ -80,9 +80,55 @@ pub fn render_heatmap(tokens: &[String], matrix: &[Vec<f32>], style: HeatmapStyl
     out
 }
 
+/// The most tokens a heatmap is drawn for (3 characters a column: 48 columns fill ~160);
+/// longer inputs are listed as each query's top keys ([`render_top_keys`]).
+pub const HEATMAP_MAX_TOKENS: usize = 48;
+
+/// Each query's `k` largest keys, one line per query: `i:token  j:key 41, j:key 12, ...`
+/// (values x 100), readable at any length where a heatmap of hundreds of columns is not.
+pub fn render_top_keys(tokens: &[String], matrix: &[Vec<f32>], k: usize) -> String {
+    let label = |i: usize| {
+        format!(
+            "{i}:{}",
+            clip(tokens.get(i).map_or("", String::as_str), LABEL_MAX)
+        )
+    };
+    let width = (0..matrix.len())
+        .map(|i| label(i).chars().count())
+        .max()
+        .unwrap_or(0);
+    let mut out = String::new();
+    for (i, row) in matrix.iter().enumerate() {
+        let mut keys: Vec<(usize, f32)> = row.iter().copied().enumerate().collect();
+        keys.sort_by(|a, b| b.1.total_cmp(&a.1));
+        let top: Vec<String> = keys
+            .iter()
+            .take(k)
+            .map(|&(j, w)| format!("{} {:.0}", label(j), w * 100.0))
+            .collect();
+        let _ = writeln!(out, "{:>width$}  {}", label(i), top.join(", "));
+    }
+    out
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn top_keys_list_each_query_s_largest_keys_in_order() {
+        let tokens: Vec<String> = ["a", "b", "c"].iter().map(|t| t.to_string()).collect();
+        let m = vec![
+            vec![0.1, 0.7, 0.2],
+            vec![0.5, 0.25, 0.25],
+            vec![0.0, 0.0, 1.0],
+        ];
+        let s = render_top_keys(&tokens, &m, 2);
+        let lines: Vec<&str> = s.lines().collect();
+        assert_eq!(lines.len(), 3);
+        assert_eq!(lines[0], "0:a  1:b 70, 2:c 20");
+        assert!(lines[2].ends_with("2:c 100, 0:a 0"));
+    }
 
     #[test]
     fn plain_heatmap_has_a_row_per_query_and_a_cell_per_key() {
