@@ -1316,12 +1316,32 @@ fn svg_writes_the_shown_heatmap() -> anyhow::Result<()> {
     let svg_arg = path_str(&svg)?;
     run_ok(&["--svg", svg_arg, "--no-color", ANIMAL, "A second sentence."])?;
     let first = std::fs::read_to_string(&svg)?;
-    ensure!(first.starts_with("<svg xmlns=\"http://www.w3.org/2000/svg\""), "not an SVG");
-    ensure!(first.contains(">layer ") && first.contains(">street</text>"), "no head title or tokens");
+    ensure!(
+        first.starts_with("<svg xmlns=\"http://www.w3.org/2000/svg\""),
+        "not an SVG"
+    );
+    ensure!(
+        first.contains(">layer ") && first.contains(">street</text>"),
+        "no head title or tokens"
+    );
     let second = std::fs::read_to_string(dir.file("map-2.svg"))?;
-    ensure!(second.contains(">second</text>"), "the second sentence's picture");
-    run_ok(&["--svg", svg_arg, "--explain", "rollout", "--format", "json", ANIMAL])?;
+    ensure!(
+        second.contains(">second</text>"),
+        "the second sentence's picture"
+    );
+    run_ok(&[
+        "--svg",
+        svg_arg,
+        "--explain",
+        "rollout",
+        "--format",
+        "json",
+        ANIMAL,
+    ])?;
     let explained = std::fs::read_to_string(&svg)?;
-    ensure!(explained.contains(">attention rollout"), "not the explanation's picture");
+    ensure!(
+        explained.contains(">attention rollout"),
+        "not the explanation's picture"
+    );
     Ok(())
 }
