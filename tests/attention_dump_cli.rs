@@ -1345,3 +1345,27 @@ fn svg_writes_the_shown_heatmap() -> anyhow::Result<()> {
     );
     Ok(())
 }
+
+/// With `--explain`, the page carries the explanation for its own view (and a tab for it).
+#[test]
+fn html_carries_the_explanation() -> anyhow::Result<()> {
+    let dir = TempDir::new("html-explain")?;
+    let file = dir.file("view.html");
+    run_ok(&[
+        "--html",
+        path_str(&file)?,
+        "--explain",
+        "grad",
+        "--against",
+        "A tired animal.",
+        "--no-color",
+        ANIMAL,
+    ])?;
+    let page = std::fs::read_to_string(&file)?;
+    ensure!(
+        page.contains("\"explain\":{\"method\":\"grad\""),
+        "no explanation in the page data"
+    );
+    ensure!(page.contains("id=\"tab-explain\""), "no explanation tab");
+    Ok(())
+}

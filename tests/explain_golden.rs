@@ -47,7 +47,7 @@ fn flat(e: &Explanation) -> Vec<f32> {
         Explanation::Rollout { matrix } | Explanation::Grad { matrix, .. } => {
             matrix.iter().flatten().copied().collect()
         }
-        Explanation::Norm { norms } => norms
+        Explanation::Norm { norms, .. } => norms
             .iter()
             .flatten()
             .flatten()
@@ -183,7 +183,7 @@ fn explanation_invariants() -> anyhow::Result<()> {
     for row in &matrix {
         assert!((row.iter().sum::<f32>() - 1.0).abs() < 1e-5);
     }
-    let Explanation::Norm { norms } =
+    let Explanation::Norm { norms, .. } =
         Explanation::decoder(&model, &ids, ExplainMethod::Norm, None, &Device::Cpu)?
     else {
         panic!("not norms");

@@ -99,6 +99,9 @@ pub enum Explanation {
     Norm {
         /// `[layers][heads][seq][seq]`: `‖α_ij f_h(x_j)‖`.
         norms: Vec<Vec<Vec<Vec<f32>>>>,
+        /// `[layers][heads][seq]`: `‖f_h(x_j)‖`, of which the norms are the weights' multiples
+        /// (`None` once word pieces are merged, where that no longer holds). Not in the JSON.
+        value_norms: Option<Vec<Vec<Vec<f32>>>>,
     },
 }
 
@@ -129,7 +132,7 @@ impl Serialize for Explanation {
                 map.serialize_entry("value", value)?;
                 map.serialize_entry("matrix", matrix)?;
             }
-            Self::Norm { norms } => {
+            Self::Norm { norms, .. } => {
                 map.serialize_entry("method", "norm")?;
                 map.serialize_entry("norms", norms)?;
             }
@@ -236,7 +239,15 @@ impl Explanation {
                     .zip(&trace.value_norms)
                     .map(|(a, n)| Ok(weighted_value_norms(a, &n.i(0)?)?.to_vec3()?))
                     .collect::<Result<Vec<_>>>()?;
-                Ok(Self::Norm { norms })
+                let value_norms = trace
+                    .value_norms
+                    .iter()
+                    .map(|n| Ok(n.i(0)?.to_vec2()?))
+                    .collect::<Result<Vec<_>>>()?;
+                Ok(Self::Norm {
+                    norms,
+                    value_norms: Some(value_norms),
+                })
             }
             ExplainMethod::Grad => Err(Error::Kernel(
                 "a gradient explanation needs its target".into(),
@@ -294,11 +305,12 @@ impl Explanation {
                 value,
                 matrix: aggregate(&matrix, &groups),
             },
-            Self::Norm { norms } => Self::Norm {
+            Self::Norm { norms, .. } => Self::Norm {
                 norms: norms
                     .iter()
                     .map(|heads| heads.iter().map(|m| aggregate(m, &groups)).collect())
                     .collect(),
+                value_norms: None,
             },
         }
     }
@@ -308,7 +320,7 @@ impl Explanation {
     pub fn view(&self, layer: Option<usize>, head: Option<usize>) -> Vec<Vec<f32>> {
         match self {
             Self::Rollout { matrix } | Self::Grad { matrix, .. } => matrix.clone(),
-            Self::Norm { norms } => {
+            Self::Norm { norms, .. } => {
                 let Some(heads) = layer.and_then(|l| norms.get(l)).or_else(|| norms.last()) else {
                     return Vec::new();
                 };
@@ -335,7 +347,7 @@ impl Explanation {
                     "gradient-weighted relevance (Chefer et al. 2021) of the {what} = {value:.4}"
                 )
             }
-            Self::Norm { norms } => {
+            Self::Norm { norms, .. } => {
                 let l = layer
                     .filter(|&l| l < norms.len())
                     .unwrap_or(norms.len().saturating_sub(1));
