@@ -215,3 +215,56 @@ fn smollm2_gguf_greedy_ids_equal_transformers() -> anyhow::Result<()> {
     }
     Ok(())
 }
+
+/// A SentencePiece vocabulary in GGUF metadata (`tokenizer.ggml.model = llama`, trained on
+/// the benchmark corpus, with byte fallback, a user-defined `<think>`;
+/// scripts/gen_gguf_spm_tokenizer.py): the ids transformers gives (`gguf_file=`), with and
+/// without special tokens, from the file with its merges and from the one whose merges come
+/// from the scores; decoding gives the text back.
+#[test]
+fn a_sentencepiece_tokenizer_from_gguf_gives_transformers_ids() -> anyhow::Result<()> {
+    let fx: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(repo_path(
+        "tests/fixtures/gguf/llama_spm.json",
+    ))?)?;
+    let cases = fx["cases"].as_array().map_or(&[][..], Vec::as_slice);
+    assert!(cases.len() >= 20);
+    let ids = |v: &serde_json::Value| -> Vec<u32> {
+        v.as_array()
+            .map(|a| {
+                a.iter()
+                    .filter_map(|x| x.as_u64())
+                    .map(|x| x as u32)
+                    .collect()
+            })
+            .unwrap_or_default()
+    };
+    for name in [
+        "llama_spm_tokenizer.gguf",
+        "llama_spm_merges_tokenizer.gguf",
+    ] {
+        let file = GgufFile::open(repo_path(&format!("tests/fixtures/gguf/{name}")))?;
+        let text = candle_attention::TextEncoder::from_gguf(&file)?;
+        for case in cases {
+            let prompt = case["text"].as_str().unwrap_or_default();
+            for (special, key) in [(true, "ids"), (false, "ids_no_special")] {
+                let got = text
+                    .tokenizer()
+                    .encode(prompt, special)
+                    .map_err(|e| anyhow::anyhow!("{e}"))?;
+                assert_eq!(
+                    got.get_ids(),
+                    ids(&case[key]).as_slice(),
+                    "{name}: {prompt:?} ({key})"
+                );
+            }
+            if !prompt.starts_with(char::is_whitespace) && !prompt.contains('<') {
+                let back = text
+                    .tokenizer()
+                    .decode(&ids(&case["ids_no_special"]), false)
+                    .map_err(|e| anyhow::anyhow!("{e}"))?;
+                assert_eq!(back, prompt, "{name}: decoding {prompt:?}");
+            }
+        }
+    }
+    Ok(())
+}

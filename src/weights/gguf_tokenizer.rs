@@ -4,7 +4,9 @@
 //! Qwen2, LLaMA-3 vocabularies) with the file's merges; GPT-2's split, or the split of the
 //! vocabulary family `tokenizer.ggml.pre` names where transformers knows one; the tokens the
 //! file marks as control as special added tokens, the user-defined ones as added tokens;
-//! BOS first when `tokenizer.ggml.add_bos_token` says so.
+//! BOS first when `tokenizer.ggml.add_bos_token` says so. Or a SentencePiece BPE
+//! (`tokenizer.ggml.model = llama`: LLaMA-1/2, Mistral, TinyLlama vocabularies), as
+//! transformers' `LlamaTokenizer`, with the file's merges or the ones its scores imply.
 
 use serde_json::{json, Map, Value};
 
@@ -17,7 +19,7 @@ use crate::weights::gguf::{GgufFile, GgufValue};
 impl TextEncoder {
     /// The tokenizer a GGUF file describes in its metadata, built as transformers builds it
     /// from the same file (`gguf_file=`): byte-level BPE vocabularies (`tokenizer.ggml.model`
-    /// `gpt2`); others are an [`Error::UnsupportedGguf`].
+    /// `gpt2`) and SentencePiece BPE ones (`llama`); others are an [`Error::UnsupportedGguf`].
     pub fn from_gguf(file: &GgufFile) -> Result<Self> {
         let json = tokenizer_json(file)?;
         let tokenizer = Tokenizer::from_bytes(json.to_string().as_bytes()).map_err(|e| {
@@ -75,21 +77,17 @@ fn byte_chars() -> [char; 256] {
 
 /// The `tokenizer.json` document of the file's tokenizer.
 pub(crate) fn tokenizer_json(file: &GgufFile) -> Result<Value> {
-    let unsupported = |what: String, supported: &str| Error::UnsupportedGguf {
-        path: file.path().to_path_buf(),
-        what,
-        supported: supported.to_string(),
-    };
     let invalid = |reason: String| Error::InvalidGguf {
         path: file.path().to_path_buf(),
         reason,
     };
     let model = file.require_str("tokenizer.ggml.model")?;
-    if model != "gpt2" {
-        return Err(unsupported(
-            format!("tokenizer model `{model}` (tokenizer.ggml.model)"),
-            "gpt2 (byte-level BPE)",
-        ));
+    if model != "gpt2" && model != "llama" {
+        return Err(Error::UnsupportedGguf {
+            path: file.path().to_path_buf(),
+            what: format!("tokenizer model `{model}` (tokenizer.ggml.model)"),
+            supported: "gpt2 (byte-level BPE), llama (SentencePiece BPE)".to_string(),
+        });
     }
     let strings = |key: &str| -> Result<Vec<&str>> {
         let arr = file
@@ -105,18 +103,120 @@ pub(crate) fn tokenizer_json(file: &GgufFile) -> Result<Value> {
     };
     let tokens = strings("tokenizer.ggml.tokens")?;
     let merges = match file.get("tokenizer.ggml.merges") {
-        Some(_) => strings("tokenizer.ggml.merges")?,
-        None => {
-            return Err(unsupported(
-                "a byte-level vocabulary without `tokenizer.ggml.merges`".into(),
-                "",
-            ))
-        }
+        Some(_) => Some(strings("tokenizer.ggml.merges")?),
+        None => None,
     };
     let types: Vec<i64> = match file.get("tokenizer.ggml.token_type") {
         Some(GgufValue::Array(a)) => a.iter().map(|v| v.as_i64().unwrap_or(1)).collect(),
         _ => Vec::new(),
     };
+    let merge_pair = |m: &&str| match m.split_once(' ') {
+        Some((a, b)) => Ok(json!([a, b])),
+        None => Err(invalid(format!("merge `{m}` is not two tokens"))),
+    };
+    let special_id = |key: &str| -> Result<Option<(u64, &str)>> {
+        match file.get(key).and_then(GgufValue::as_u64) {
+            Some(id) => match tokens.get(id as usize) {
+                Some(t) => Ok(Some((id, *t))),
+                None => Err(invalid(format!("{key} {id} is outside the vocabulary"))),
+            },
+            None => Ok(None),
+        }
+    };
+    let bos = special_id("tokenizer.ggml.bos_token_id")?;
+    let flag = |key: &str| file.get(key).and_then(GgufValue::as_bool);
+    let (parts, add_bos) = if model == "gpt2" {
+        let merges = merges.ok_or_else(|| Error::UnsupportedGguf {
+            path: file.path().to_path_buf(),
+            what: "a byte-level vocabulary without `tokenizer.ggml.merges`".into(),
+            supported: String::new(),
+        })?;
+        let merges: Vec<Value> = merges.iter().map(merge_pair).collect::<Result<_>>()?;
+        let pre = file.get("tokenizer.ggml.pre").and_then(GgufValue::as_str);
+        (
+            byte_level(&tokens, &types, merges, pre),
+            flag("tokenizer.ggml.add_bos_token").unwrap_or(false),
+        )
+    } else {
+        let merges: Vec<Value> = match merges {
+            Some(m) => m.iter().map(merge_pair).collect::<Result<_>>()?,
+            None => {
+                let scores: Vec<f64> =
+                    match file.get("tokenizer.ggml.scores") {
+                        Some(GgufValue::Array(a)) => {
+                            a.iter().map(|v| v.as_f64().unwrap_or(0.0)).collect()
+                        }
+                        _ => return Err(invalid(
+                            "a SentencePiece vocabulary without `tokenizer.ggml.scores` or merges"
+                                .into(),
+                        )),
+                    };
+                merges_from_scores(&tokens, &scores)
+                    .into_iter()
+                    .map(|(a, b)| json!([a, b]))
+                    .collect()
+            }
+        };
+        let named = [
+            special_id("tokenizer.ggml.unknown_token_id")?,
+            bos,
+            special_id("tokenizer.ggml.eos_token_id")?,
+        ];
+        // transformers' GGUF loader adds BOS to a SentencePiece vocabulary that does not say.
+        (
+            sentencepiece(&tokens, &types, merges, &named),
+            flag("tokenizer.ggml.add_bos_token").unwrap_or(true),
+        )
+    };
+    let post_processor = match (add_bos, bos) {
+        (true, Some((id, bos))) => json!({
+            "type": "TemplateProcessing",
+            "single": [{"SpecialToken": {"id": bos, "type_id": 0}}, {"Sequence": {"id": "A", "type_id": 0}}],
+            "pair": [{"SpecialToken": {"id": bos, "type_id": 0}}, {"Sequence": {"id": "A", "type_id": 0}},
+                     {"SpecialToken": {"id": bos, "type_id": 1}}, {"Sequence": {"id": "B", "type_id": 1}}],
+            "special_tokens": {bos: {"id": bos, "ids": [id], "tokens": [bos]}},
+        }),
+        _ => Value::Null,
+    };
+    let Parts {
+        added,
+        normalizer,
+        pre_tokenizer,
+        decoder,
+        model,
+    } = parts;
+    Ok(json!({
+        "version": "1.0",
+        "truncation": null,
+        "padding": null,
+        "added_tokens": added,
+        "normalizer": normalizer,
+        "pre_tokenizer": pre_tokenizer,
+        "post_processor": post_processor,
+        "decoder": decoder,
+        "model": model,
+    }))
+}
+
+/// The parts of a `tokenizer.json` that depend on the vocabulary's kind.
+struct Parts {
+    added: Vec<Value>,
+    normalizer: Value,
+    pre_tokenizer: Value,
+    decoder: Value,
+    model: Value,
+}
+
+fn added_token(id: usize, content: &str, special: bool) -> Value {
+    json!({
+        "id": id, "content": content, "single_word": false, "lstrip": false,
+        "rstrip": false, "normalized": false, "special": special,
+    })
+}
+
+/// A byte-level BPE (`gpt2`): tokens spelled in GPT-2's byte alphabet, GPT-2's split or the
+/// family's `pre`.
+fn byte_level(tokens: &[&str], types: &[i64], merges: Vec<Value>, pre: Option<&str>) -> Parts {
     let chars = byte_chars();
     let alphabet: std::collections::HashSet<char> = chars.iter().copied().collect();
     let spell = |t: &str| -> String {
@@ -130,13 +230,6 @@ pub(crate) fn tokenizer_json(file: &GgufFile) -> Result<Value> {
     for (id, t) in tokens.iter().enumerate() {
         vocab.insert(spell(t), json!(id));
     }
-    let merges: Vec<Value> = merges
-        .iter()
-        .map(|m| match m.split_once(' ') {
-            Some((a, b)) => Ok(json!([a, b])),
-            None => Err(invalid(format!("merge `{m}` is not two tokens"))),
-        })
-        .collect::<Result<_>>()?;
     let mut added = Vec::new();
     for (id, t) in tokens.iter().enumerate() {
         let kind = types.get(id).copied().unwrap_or(1);
@@ -145,14 +238,10 @@ pub(crate) fn tokenizer_json(file: &GgufFile) -> Result<Value> {
         let special = kind == CONTROL && t.chars().all(|c| alphabet.contains(&c));
         let user = kind == USER_DEFINED && vocab.contains_key(*t);
         if special || user {
-            added.push(json!({
-                "id": id, "content": t, "single_word": false, "lstrip": false,
-                "rstrip": false, "normalized": false, "special": special,
-            }));
+            added.push(added_token(id, t, special));
         }
     }
     let byte_level = |use_regex: bool| json!({"type": "ByteLevel", "add_prefix_space": false, "trim_offsets": true, "use_regex": use_regex});
-    let pre = file.get("tokenizer.ggml.pre").and_then(GgufValue::as_str);
     let pre_tokenizer = match pre.and_then(split_of) {
         Some(split) => json!({"type": "Sequence", "pretokenizers": [
             {"type": "Split", "pattern": {"Regex": split}, "behavior": "Isolated", "invert": false},
@@ -160,44 +249,98 @@ pub(crate) fn tokenizer_json(file: &GgufFile) -> Result<Value> {
         ]}),
         None => byte_level(true),
     };
-    let add_bos = file
-        .get("tokenizer.ggml.add_bos_token")
-        .and_then(GgufValue::as_bool)
-        .unwrap_or(false);
-    let post_processor = match (
-        add_bos,
-        file.get("tokenizer.ggml.bos_token_id")
-            .and_then(GgufValue::as_u64),
-    ) {
-        (true, Some(id)) => {
-            let bos = tokens
-                .get(id as usize)
-                .ok_or_else(|| invalid(format!("bos token id {id} is outside the vocabulary")))?;
-            json!({
-                "type": "TemplateProcessing",
-                "single": [{"SpecialToken": {"id": bos, "type_id": 0}}, {"Sequence": {"id": "A", "type_id": 0}}],
-                "pair": [{"SpecialToken": {"id": bos, "type_id": 0}}, {"Sequence": {"id": "A", "type_id": 0}},
-                         {"SpecialToken": {"id": bos, "type_id": 1}}, {"Sequence": {"id": "B", "type_id": 1}}],
-                "special_tokens": {*bos: {"id": bos, "ids": [id], "tokens": [bos]}},
-            })
-        }
-        _ => Value::Null,
-    };
-    Ok(json!({
-        "version": "1.0",
-        "truncation": null,
-        "padding": null,
-        "added_tokens": added,
-        "normalizer": null,
-        "pre_tokenizer": pre_tokenizer,
-        "post_processor": post_processor,
-        "decoder": {"type": "ByteLevel", "add_prefix_space": true, "trim_offsets": true, "use_regex": true},
-        "model": {
+    Parts {
+        added,
+        normalizer: Value::Null,
+        pre_tokenizer,
+        decoder: json!({"type": "ByteLevel", "add_prefix_space": true, "trim_offsets": true, "use_regex": true}),
+        model: json!({
             "type": "BPE", "dropout": null, "unk_token": null, "continuing_subword_prefix": "",
             "end_of_word_suffix": "", "fuse_unk": false, "byte_fallback": false,
             "ignore_merges": false, "vocab": vocab, "merges": merges,
-        },
-    }))
+        }),
+    }
+}
+
+/// A SentencePiece BPE (`llama`), as transformers' `LlamaTokenizer` builds it: the tokens
+/// as spelled, `▁` for spaces with one prepended to the text (Metaspace, "first"), byte
+/// fallback for characters outside the vocabulary (the model has no unknown token: every
+/// byte has one); `named` (unknown, BOS, EOS) and the control tokens special, the
+/// user-defined ones added.
+fn sentencepiece(
+    tokens: &[&str],
+    types: &[i64],
+    merges: Vec<Value>,
+    named: &[Option<(u64, &str)>],
+) -> Parts {
+    let mut vocab = Map::new();
+    for (id, t) in tokens.iter().enumerate() {
+        vocab.insert(t.to_string(), json!(id));
+    }
+    let mut added = Vec::new();
+    for (id, t) in tokens.iter().enumerate() {
+        let kind = types.get(id).copied().unwrap_or(1);
+        let is_named = named.iter().flatten().any(|&(n, _)| n as usize == id);
+        if kind == CONTROL || is_named {
+            added.push(added_token(id, t, true));
+        } else if kind == USER_DEFINED {
+            added.push(added_token(id, t, false));
+        }
+    }
+    Parts {
+        added,
+        normalizer: Value::Null,
+        pre_tokenizer: json!({"type": "Metaspace", "replacement": "\u{2581}", "prepend_scheme": "first", "split": false}),
+        decoder: json!({"type": "Sequence", "decoders": [
+            {"type": "Replace", "pattern": {"String": "\u{2581}"}, "content": " "},
+            {"type": "ByteFallback"},
+            {"type": "Fuse"},
+            {"type": "Strip", "content": " ", "start": 1, "stop": 0},
+        ]}),
+        model: json!({
+            "type": "BPE", "dropout": null, "unk_token": null, "continuing_subword_prefix": null,
+            "end_of_word_suffix": null, "fuse_unk": true, "byte_fallback": true,
+            "ignore_merges": false, "vocab": vocab, "merges": merges,
+        }),
+    }
+}
+
+/// The merges a SentencePiece vocabulary implies, as transformers derives them for a file
+/// without `tokenizer.ggml.merges` (`generate_merges` with the scores): every split of every
+/// token into two tokens of the vocabulary, each token's splits by the ids of their halves,
+/// then all by score, longer left and right halves first, stably.
+fn merges_from_scores<'a>(tokens: &[&'a str], scores: &[f64]) -> Vec<(&'a str, &'a str)> {
+    // Python dicts: a repeated token keeps its first position and its last id and score.
+    let mut order: Vec<&str> = Vec::new();
+    let mut id = std::collections::HashMap::new();
+    let mut score = std::collections::HashMap::new();
+    for (i, &t) in tokens.iter().enumerate() {
+        if id.insert(t, i).is_none() {
+            order.push(t);
+        }
+        score.insert(t, scores.get(i).copied().unwrap_or(0.0));
+    }
+    let mut merges: Vec<(&str, &str, f64)> = Vec::new();
+    for &t in &order {
+        let mut local: Vec<(&str, &str, f64)> = t
+            .char_indices()
+            .skip(1)
+            .map(|(k, _)| (&t[..k], &t[k..]))
+            .filter(|(l, r)| id.contains_key(l) && id.contains_key(r))
+            .map(|(l, r)| (l, r, score[t]))
+            .collect();
+        local.sort_by_key(|&(l, r, _)| (id[l], id[r]));
+        merges.extend(local);
+    }
+    let key = |m: &(&str, &str, f64)| (m.2, m.0.chars().count(), m.1.chars().count());
+    // Descending and stable, as Python's `sorted(..., reverse=True)`.
+    merges.sort_by(|a, b| {
+        let (ka, kb) = (key(a), key(b));
+        kb.0.total_cmp(&ka.0)
+            .then(kb.1.cmp(&ka.1))
+            .then(kb.2.cmp(&ka.2))
+    });
+    merges.into_iter().map(|(l, r, _)| (l, r)).collect()
 }
 
 #[cfg(test)]
