@@ -8,5 +8,6 @@ pub(crate) mod gemv_avx512;
 pub(crate) mod keep_warm;
 pub(crate) mod one_query;
 pub(crate) mod quant_gemv;
+pub(crate) mod quant_gemv_avx2;
 pub(crate) mod quant_gemv_avx512;
 pub(crate) mod widen;

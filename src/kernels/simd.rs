@@ -63,13 +63,19 @@ pub(crate) enum Isa {
     Scalar,
 }
 
-/// [`Isa`] of this CPU (detected once): AVX-512F, else AVX2 + FMA, else scalar.
+/// [`Isa`] of this CPU (detected once): AVX-512F, else AVX2 + FMA, else scalar. The
+/// environment variable `CANDLE_ATTENTION_ISA` (`avx2` or `scalar`) caps it, to run the
+/// narrower kernels on a wider CPU (a laptop's path measured on a server); it never raises it.
 pub(crate) fn isa() -> Isa {
     static ISA: OnceLock<Isa> = OnceLock::new();
     *ISA.get_or_init(|| {
+        let cap = std::env::var("CANDLE_ATTENTION_ISA").unwrap_or_default();
+        if cap.eq_ignore_ascii_case("scalar") {
+            return Isa::Scalar;
+        }
         #[cfg(target_arch = "x86_64")]
         {
-            if is_x86_feature_detected!("avx512f") {
+            if is_x86_feature_detected!("avx512f") && !cap.eq_ignore_ascii_case("avx2") {
                 return Isa::Avx512;
             }
             if is_x86_feature_detected!("avx2") && is_x86_feature_detected!("fma") {

@@ -1,6 +1,7 @@
 //! `y = W x` for a weight kept as a GGUF file stores it (ggml blocks), one input row at a
-//! time, every block read once per product: with AVX-512 the 32-value block types are
-//! unpacked in registers and summed as they are read (`quant_gemv_avx512`); otherwise each
+//! time, every block read once per product: with AVX-512 (or AVX2 + FMA + F16C) the block
+//! types of real files are unpacked in registers and summed as they are read
+//! (`quant_gemv_avx512`, `quant_gemv_avx2`); otherwise each
 //! task dequantizes four rows at a time into its scratch (exactly, as gguf-py does) and
 //! multiplies them with the f32 matrix-vector kernel, giving the sums the same weight
 //! dequantized to f32 would give, bit for bit.
@@ -10,12 +11,27 @@ use rayon::prelude::*;
 use crate::error::{Error, Result};
 use crate::kernels::decode::gemv::{dot_rows, task_len, ROWS_PER_TASK};
 use crate::kernels::decode::keep_warm;
-use crate::kernels::decode::quant_gemv_avx512;
+use crate::kernels::decode::{quant_gemv_avx2, quant_gemv_avx512};
 use crate::kernels::quant::blocks::{self, QuantType};
 use crate::kernels::scratch::with_scratch;
 
 /// Rows dequantized together (the f32 kernel's group of rows).
 const GROUP: usize = 4;
+
+/// A row kernel's signature: `sum_k W[k] x[k]` for one row of `ty` blocks.
+type RowDot = fn(QuantType, &[u8], &[f32]) -> Option<f32>;
+
+/// The row kernel for `ty` on this CPU: AVX-512, else AVX2 + FMA + F16C (both capped by
+/// `CANDLE_ATTENTION_ISA`), else none (rows dequantized into scratch).
+fn row_kernel(ty: QuantType) -> Option<RowDot> {
+    if quant_gemv_avx512::supports(ty) {
+        Some(quant_gemv_avx512::row_dot)
+    } else if quant_gemv_avx2::supports(ty) {
+        Some(quant_gemv_avx2::row_dot)
+    } else {
+        None
+    }
+}
 
 /// `y[j] = sum_k W[j, k] x[k] (+ bias[j])` for `W` `(y.len(), x.len())` stored as `ty` rows
 /// in `data`.
@@ -37,14 +53,14 @@ pub(crate) fn quant_gemv(
         )));
     }
     let len = task_len(out, GROUP, ROWS_PER_TASK);
-    let fused = quant_gemv_avx512::supports(ty);
+    let row_dot = row_kernel(ty);
     let work = |(c, ys): (usize, &mut [f32])| -> Result<()> {
         let j0 = c * len;
-        if fused {
+        if let Some(row_dot) = row_dot {
             // Each row unpacked in registers and summed as it is read.
             for (r, yv) in ys.iter_mut().enumerate() {
                 let at = (j0 + r) * row_bytes;
-                *yv = quant_gemv_avx512::row_dot(ty, &data[at..at + row_bytes], x)
+                *yv = row_dot(ty, &data[at..at + row_bytes], x)
                     .ok_or_else(|| Error::Kernel(format!("{ty}: no row kernel")))?;
             }
         } else {

@@ -1,0 +1,391 @@
+//! AVX2 + FMA + F16C dot products of one GGUF weight row with `x` (CPUs without AVX-512:
+//! most laptops), for the same types as [`crate::kernels::decode::quant_gemv_avx512`]: each
+//! block unpacked in registers, eight values at a time, its values made exactly as gguf-py
+//! makes them (`d * q + m` as a product then a sum, never one fused step), multiplied into
+//! f32 accumulators as they go.
+
+#[cfg(target_arch = "x86_64")]
+use std::arch::x86_64::*;
+
+use crate::kernels::quant::blocks::QuantType;
+
+/// Whether this CPU runs these kernels for `ty` (AVX2, FMA and F16C, and the instruction
+/// set not capped below AVX2).
+pub(crate) fn supports(ty: QuantType) -> bool {
+    #[cfg(target_arch = "x86_64")]
+    {
+        use crate::kernels::simd::{isa, Isa};
+        use std::sync::OnceLock;
+        static AVX2: OnceLock<bool> = OnceLock::new();
+        let cpu = *AVX2.get_or_init(|| {
+            is_x86_feature_detected!("avx2")
+                && is_x86_feature_detected!("fma")
+                && is_x86_feature_detected!("f16c")
+        }) && matches!(isa(), Isa::Avx512 | Isa::Avx2);
+        cpu && matches!(
+            ty,
+            QuantType::Q4_0
+                | QuantType::Q4_1
+                | QuantType::Q5_0
+                | QuantType::Q5_1
+                | QuantType::Q8_0
+                | QuantType::Q4K
+                | QuantType::Q6K
+        )
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    {
+        let _ = ty;
+        false
+    }
+}
+
+/// `sum_k W[k] x[k]` for one row (`row`: whole blocks of `ty`, `x.len()` values); `None` when
+/// this CPU or type has no kernel here, or the sizes do not fit.
+pub(crate) fn row_dot(ty: QuantType, row: &[u8], x: &[f32]) -> Option<f32> {
+    if !supports(ty) || ty.bytes_of(x.len()) != Some(row.len()) {
+        return None;
+    }
+    #[cfg(target_arch = "x86_64")]
+    {
+        // SAFETY: AVX2, FMA and F16C checked by `supports`; `row` holds whole blocks for
+        // `x.len()` values.
+        Some(unsafe { row_dot_avx2(ty, row, x) })
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    {
+        None
+    }
+}
+
+#[cfg(target_arch = "x86_64")]
+const Q8_0: u8 = 0;
+#[cfg(target_arch = "x86_64")]
+const Q4_0: u8 = 1;
+#[cfg(target_arch = "x86_64")]
+const Q4_1: u8 = 2;
+#[cfg(target_arch = "x86_64")]
+const Q5_0: u8 = 3;
+#[cfg(target_arch = "x86_64")]
+const Q5_1: u8 = 4;
+
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn row_dot_avx2(ty: QuantType, row: &[u8], x: &[f32]) -> f32 {
+    match ty {
+        QuantType::Q8_0 => dot_blocks::<Q8_0>(row, x),
+        QuantType::Q4_0 => dot_blocks::<Q4_0>(row, x),
+        QuantType::Q4_1 => dot_blocks::<Q4_1>(row, x),
+        QuantType::Q5_0 => dot_blocks::<Q5_0>(row, x),
+        QuantType::Q4K => dot_q4_k(row, x),
+        QuantType::Q6K => dot_q6_k(row, x),
+        _ => dot_blocks::<Q5_1>(row, x),
+    }
+}
+
+/// The sum of the 8 lanes.
+#[cfg(target_arch = "x86_64")]
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn hsum(v: __m256) -> f32 {
+    let s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    let s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    _mm_cvtss_f32(_mm_add_ss(s, _mm_shuffle_ps(s, s, 1)))
+}
+
+/// The f16 at `p` as f32, with the CPU's conversion (exact).
+#[cfg(target_arch = "x86_64")]
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn half_at_ptr(p: *const u8) -> f32 {
+    let bits = u16::from_le_bytes([*p, *p.add(1)]);
+    _mm_cvtss_f32(_mm_cvtph_ps(_mm_cvtsi32_si128(i32::from(bits))))
+}
+
+/// Unsigned bytes `8 i..8 i + 8` of `v` as 8 i32 lanes.
+#[cfg(target_arch = "x86_64")]
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn u8_lanes(v: __m128i, half: bool) -> __m256i {
+    if half {
+        _mm256_cvtepu8_epi32(_mm_srli_si128(v, 8))
+    } else {
+        _mm256_cvtepu8_epi32(v)
+    }
+}
+
+/// `v + 16` in the lanes whose bit of `bits` (lane `i`: bit `i`) is set.
+#[cfg(target_arch = "x86_64")]
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn add_16_where(v: __m256i, bits: u32) -> __m256i {
+    let sel = _mm256_setr_epi32(1, 2, 4, 8, 16, 32, 64, 128);
+    let set = _mm256_cmpeq_epi32(_mm256_and_si256(_mm256_set1_epi32(bits as i32), sel), sel);
+    _mm256_add_epi32(v, _mm256_and_si256(set, _mm256_set1_epi32(16)))
+}
+
+/// The 32 values of the block at `b` as four groups of 8 lanes (values `8 g..8 g + 8`), each
+/// made as gguf-py makes it: `q * d`, `d * (q - 8)`, `d * q + m`, `d * (q - 16)`.
+///
+/// # Safety
+/// AVX2, FMA and F16C; `b` points at a whole block of kind `K`.
+#[cfg(target_arch = "x86_64")]
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn block_values<const K: u8>(b: *const u8) -> [__m256; 4] {
+    let d = _mm256_set1_ps(half_at_ptr(b));
+    if K == Q8_0 {
+        let q = b.add(2);
+        let mut w = [_mm256_setzero_ps(); 4];
+        for (g, wg) in w.iter_mut().enumerate() {
+            let v = _mm_loadl_epi64(q.add(8 * g) as *const __m128i);
+            *wg = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(v)), d);
+        }
+        return w;
+    }
+    let qs_at = match K {
+        Q4_0 => 2,
+        Q4_1 => 4,
+        Q5_0 => 6,
+        _ => 8,
+    };
+    let nibbles = _mm_set1_epi8(0x0F);
+    let v = _mm_loadu_si128(b.add(qs_at) as *const __m128i);
+    let (low, high) = (
+        _mm_and_si128(v, nibbles),
+        _mm_and_si128(_mm_srli_epi16(v, 4), nibbles),
+    );
+    // Values 0..16 are the low nibbles, 16..32 the high ones.
+    let mut q = [
+        u8_lanes(low, false),
+        u8_lanes(low, true),
+        u8_lanes(high, false),
+        u8_lanes(high, true),
+    ];
+    if K == Q5_0 || K == Q5_1 {
+        // The fifth bits: bit j of `qh` for value j.
+        let at = if K == Q5_0 { 2 } else { 4 };
+        let qh = u32::from_le_bytes([*b.add(at), *b.add(at + 1), *b.add(at + 2), *b.add(at + 3)]);
+        for (g, lanes) in q.iter_mut().enumerate() {
+            *lanes = add_16_where(*lanes, (qh >> (8 * g)) & 0xFF);
+        }
+    }
+    if K == Q4_0 || K == Q5_0 {
+        let o = _mm256_set1_epi32(if K == Q4_0 { 8 } else { 16 });
+        for lanes in &mut q {
+            *lanes = _mm256_sub_epi32(*lanes, o);
+        }
+    }
+    let mut w = [_mm256_setzero_ps(); 4];
+    for (wg, lanes) in w.iter_mut().zip(q) {
+        *wg = _mm256_mul_ps(d, _mm256_cvtepi32_ps(lanes));
+    }
+    if K == Q4_1 || K == Q5_1 {
+        let m = _mm256_set1_ps(half_at_ptr(b.add(2)));
+        for wg in &mut w {
+            *wg = _mm256_add_ps(*wg, m);
+        }
+    }
+    w
+}
+
+/// Bytes of a block of kind `K`.
+#[cfg(target_arch = "x86_64")]
+const fn block_bytes(k: u8) -> usize {
+    match k {
+        Q8_0 => 34,
+        Q4_0 => 18,
+        Q4_1 => 20,
+        Q5_0 => 22,
+        _ => 24,
+    }
+}
+
+/// The dot product of whole `K` blocks with `x`: four accumulators, one horizontal sum.
+///
+/// # Safety
+/// AVX2, FMA and F16C; `row` holds `x.len() / 32` whole blocks.
+#[cfg(target_arch = "x86_64")]
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn dot_blocks<const K: u8>(row: &[u8], x: &[f32]) -> f32 {
+    let size = block_bytes(K);
+    let (bp, xp) = (row.as_ptr(), x.as_ptr());
+    let mut acc = [_mm256_setzero_ps(); 4];
+    for i in 0..x.len() / 32 {
+        let w = block_values::<K>(bp.add(i * size));
+        let xb = xp.add(i * 32);
+        for (g, a) in acc.iter_mut().enumerate() {
+            *a = _mm256_fmadd_ps(w[g], _mm256_loadu_ps(xb.add(8 * g)), *a);
+        }
+    }
+    hsum(_mm256_add_ps(
+        _mm256_add_ps(acc[0], acc[1]),
+        _mm256_add_ps(acc[2], acc[3]),
+    ))
+}
+
+/// Scale and min of group `j` (0..8) of a Q4_K block's 12 scale bytes at `q`.
+#[cfg(target_arch = "x86_64")]
+#[inline(always)]
+unsafe fn scale_min_k4(j: usize, q: *const u8) -> (u8, u8) {
+    if j < 4 {
+        (*q.add(j) & 63, *q.add(j + 4) & 63)
+    } else {
+        (
+            (*q.add(j + 4) & 0x0F) | ((*q.add(j - 4) >> 6) << 4),
+            (*q.add(j + 4) >> 4) | ((*q.add(j) >> 6) << 4),
+        )
+    }
+}
+
+/// `acc += (dl * q - ml) * x` over 32 unsigned byte values `q` (gguf-py's Q4_K form: the
+/// product, then the difference), 8 at a time.
+#[cfg(target_arch = "x86_64")]
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn fma_scaled_min(q: __m256i, dl: __m256, ml: __m256, x: *const f32, acc: &mut [__m256; 4]) {
+    let halves = [_mm256_castsi256_si128(q), _mm256_extracti128_si256(q, 1)];
+    for (g, a) in acc.iter_mut().enumerate() {
+        let lanes = u8_lanes(halves[g / 2], g % 2 == 1);
+        let w = _mm256_sub_ps(_mm256_mul_ps(dl, _mm256_cvtepi32_ps(lanes)), ml);
+        *a = _mm256_fmadd_ps(w, _mm256_loadu_ps(x.add(8 * g)), *a);
+    }
+}
+
+/// Q4_K rows: `{ f16 d; f16 dmin; u8 scales[12]; u8 qs[128] }` per 256 values; group `g`
+/// is `d * sc_g * q - dmin * m_g` over the low (even `g`) or high (odd) nibbles of
+/// `qs[32 (g / 2)..][..32]`.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn dot_q4_k(row: &[u8], x: &[f32]) -> f32 {
+    let (bp, xp) = (row.as_ptr(), x.as_ptr());
+    let mut acc = [_mm256_setzero_ps(); 4];
+    let nibbles = _mm256_set1_epi8(0x0F);
+    for blk in 0..x.len() / 256 {
+        let b = bp.add(blk * 144);
+        let (d, dmin) = (half_at_ptr(b), half_at_ptr(b.add(2)));
+        let sc = b.add(4);
+        for p in 0..4 {
+            let qs = _mm256_loadu_si256(b.add(16 + 32 * p) as *const __m256i);
+            let (ql, qh) = (
+                _mm256_and_si256(qs, nibbles),
+                _mm256_and_si256(_mm256_srli_epi16(qs, 4), nibbles),
+            );
+            let xg = xp.add(blk * 256 + 64 * p);
+            for (half, q) in [ql, qh].into_iter().enumerate() {
+                let (s, m) = scale_min_k4(2 * p + half, sc);
+                let (dl, ml) = (
+                    _mm256_set1_ps(d * f32::from(s)),
+                    _mm256_set1_ps(dmin * f32::from(m)),
+                );
+                fma_scaled_min(q, dl, ml, xg.add(32 * half), &mut acc);
+            }
+        }
+    }
+    hsum(_mm256_add_ps(
+        _mm256_add_ps(acc[0], acc[1]),
+        _mm256_add_ps(acc[2], acc[3]),
+    ))
+}
+
+/// Q6_K rows: `{ u8 ql[128]; u8 qh[64]; i8 scales[16]; f16 d }` per 256 values; value
+/// `128 h + 32 t + l` is `(d * scales[8 h + 2 t + l / 16]) * (q - 32)` with the low four
+/// bits from `ql[64 h + 32 (t % 2) + l] >> 4 (t / 2)` and the high two from
+/// `qh[32 h + l] >> 2 t`.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn dot_q6_k(row: &[u8], x: &[f32]) -> f32 {
+    let (bp, xp) = (row.as_ptr(), x.as_ptr());
+    let mut acc = [_mm256_setzero_ps(); 4];
+    let (nibbles, twos) = (_mm256_set1_epi8(0x0F), _mm256_set1_epi8(0x03));
+    let thirty_two = _mm256_set1_epi32(32);
+    for blk in 0..x.len() / 256 {
+        let b = bp.add(blk * 210);
+        let d = half_at_ptr(b.add(208));
+        let scales = b.add(192) as *const i8;
+        for h in 0..2 {
+            let qh = _mm256_loadu_si256(b.add(128 + 32 * h) as *const __m256i);
+            for t in 0..4 {
+                let ql = _mm256_loadu_si256(b.add(64 * h + 32 * (t % 2)) as *const __m256i);
+                let low = if t / 2 == 0 {
+                    _mm256_and_si256(ql, nibbles)
+                } else {
+                    _mm256_and_si256(_mm256_srli_epi16(ql, 4), nibbles)
+                };
+                let high =
+                    _mm256_and_si256(_mm256_srl_epi16(qh, _mm_cvtsi32_si128(2 * t as i32)), twos);
+                let q = _mm256_or_si256(low, _mm256_slli_epi16(high, 4));
+                let halves = [_mm256_castsi256_si128(q), _mm256_extracti128_si256(q, 1)];
+                let g = 8 * h + 2 * t;
+                let xv = xp.add(blk * 256 + 128 * h + 32 * t);
+                for (k, a) in acc.iter_mut().enumerate() {
+                    // Lanes 16 (k / 2)..: scale g + k / 2.
+                    let dl = _mm256_set1_ps(d * f32::from(*scales.add(g + k / 2)));
+                    let v = _mm256_sub_epi32(u8_lanes(halves[k / 2], k % 2 == 1), thirty_two);
+                    let w = _mm256_mul_ps(dl, _mm256_cvtepi32_ps(v));
+                    *a = _mm256_fmadd_ps(w, _mm256_loadu_ps(xv.add(8 * k)), *a);
+                }
+            }
+        }
+    }
+    hsum(_mm256_add_ps(
+        _mm256_add_ps(acc[0], acc[1]),
+        _mm256_add_ps(acc[2], acc[3]),
+    ))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::kernels::quant::blocks;
+    use crate::kernels::quant::blocks::tests::ggml;
+    use candle_core::quantized::QTensor;
+    use candle_core::{Device, Tensor};
+
+    /// Each row's dot product against the same weight dequantized (gguf-py's values), summed
+    /// in f64: within f32 rounding of the sum of magnitudes (every type, on any CPU with
+    /// AVX2, FMA and F16C, AVX-512 ones included).
+    #[test]
+    fn row_dots_equal_the_dequantized_weight_s() -> candle_core::Result<()> {
+        let kernels = [
+            QuantType::Q4_0,
+            QuantType::Q4_1,
+            QuantType::Q5_0,
+            QuantType::Q5_1,
+            QuantType::Q8_0,
+            QuantType::Q4K,
+            QuantType::Q6K,
+        ];
+        for (ty, g) in kernels.map(|t| (t, ggml(t))) {
+            if !supports(ty) {
+                continue;
+            }
+            let (rows, cols) = (9, 768);
+            let w = crate::kernels::test_values(rows * cols, 13);
+            let q = QTensor::quantize(&Tensor::from_vec(w, (rows, cols), &Device::Cpu)?, g)?;
+            let bytes = q.data()?;
+            let mut deq = vec![0f32; rows * cols];
+            assert!(blocks::dequantize(ty, &bytes, &mut deq));
+            let x = crate::kernels::test_values(cols, 3);
+            let row_bytes = bytes.len() / rows;
+            for r in 0..rows {
+                let got = row_dot(ty, &bytes[r * row_bytes..(r + 1) * row_bytes], &x)
+                    .ok_or_else(|| candle_core::Error::Msg(format!("{ty}: no kernel")))?;
+                let w = &deq[r * cols..(r + 1) * cols];
+                let want: f64 = w.iter().zip(&x).map(|(a, b)| *a as f64 * *b as f64).sum();
+                let mag: f64 = w
+                    .iter()
+                    .zip(&x)
+                    .map(|(a, b)| (*a as f64 * *b as f64).abs())
+                    .sum();
+                assert!(
+                    (got as f64 - want).abs() <= mag * 1e-6,
+                    "{ty} row {r}: {got} vs {want}"
+                );
+            }
+            assert!(row_dot(ty, &bytes[..row_bytes - 1], &x).is_none());
+        }
+        Ok(())
+    }
+}
