@@ -201,7 +201,7 @@ impl Proj {
                             "`{hf}`: a quantized weight with a bias is not supported"
                         )));
                     }
-                    return Ok(Self::Quant(q));
+                    return Ok(Self::Quant(q.on(vb.device())?));
                 }
             }
         }
@@ -283,6 +283,9 @@ fn quantized_attention(
     } else {
         (q, k)
     };
+    // On CUDA and Metal the blocks also go to the device, for candle's quantized kernels.
+    let device = vb.device();
+    let (q, k, v, o) = (q.on(device)?, k.on(device)?, v.on(device)?, o.on(device)?);
     let bias = |proj: &str, n: usize| -> Result<Option<Tensor>> {
         let vb = vb.pp(proj);
         Ok(if vb.contains_tensor("bias") {
@@ -476,11 +479,11 @@ impl LlamaModel {
         Self::load_from(vb, cfg, None)
     }
 
-    /// [`LlamaModel::load`]; with `quant` (the GGUF file behind `vb`, on the CPU), the
-    /// MLP, embedding and output matrices stored in block types stay in their blocks.
+    /// [`LlamaModel::load`]; with `quant` (the GGUF file behind `vb`), the matrices stored
+    /// in block types stay in their blocks: on the CPU read from the file's map by this
+    /// crate's kernels, on CUDA and Metal copied to the device for candle's quantized ones.
     fn load_from(vb: VarBuilder, cfg: &LlamaConfig, quant: Option<&GgufFile>) -> Result<Self> {
         let d = cfg.hidden_size;
-        let quant = quant.filter(|_| vb.device().is_cpu());
         // On the CPU the hidden states, norms and MLP activations are f32 whatever the
         // weights' dtype (the kernels widen half-precision weights as they read them).
         let compute = if vb.device().is_cpu() {
@@ -565,10 +568,11 @@ impl LlamaModel {
 
     /// Loads a LLaMA-family model (architectures `llama`, `mistral`, `qwen2`) from one GGUF
     /// file: the configuration from its metadata, llama.cpp's rotary row order undone, and
-    /// the weights as transformers dequantizes them (`gguf_file=`). On the CPU the MLP,
-    /// embedding and output matrices stored in block types stay in their blocks (read from
-    /// the file's memory map, dequantized as they are multiplied); the attention projections
-    /// and everything else are dequantized to `dtype` at load.
+    /// the weights as transformers dequantizes them (`gguf_file=`). The matrices stored in
+    /// block types stay in their blocks: on the CPU read from the file's memory map by this
+    /// crate's kernels (the same values as the dequantized weight's), on CUDA and Metal
+    /// copied to the device for candle's quantized kernels (which round the activations to
+    /// 8 bits, as llama.cpp does); float matrices and norms are loaded in `dtype`.
     pub fn from_gguf(path: impl AsRef<Path>, dtype: DType, device: &Device) -> Result<Self> {
         let file = GgufFile::open(path)?;
         let raw = gguf_layout::hf_config(&file)?;

@@ -6,6 +6,8 @@
 
 use std::sync::Arc;
 
+use candle_core::quantized::ggml_file::qtensor_from_ggml;
+use candle_core::quantized::{QMatMul, QTensor};
 use candle_core::{DType, Device, Module, Tensor, D};
 use candle_nn::Linear;
 
@@ -37,6 +39,8 @@ pub(crate) struct QuantWeight {
     ty: QuantType,
     rows: usize,
     cols: usize,
+    /// On a CUDA or Metal device: the blocks there, multiplied by candle's quantized kernels.
+    on_device: Option<Arc<QMatMul>>,
 }
 
 impl std::fmt::Debug for QuantWeight {
@@ -78,6 +82,7 @@ impl QuantWeight {
             ty,
             rows,
             cols,
+            on_device: None,
         }))
     }
 
@@ -123,18 +128,59 @@ impl QuantWeight {
         })
     }
 
-    /// `x W^T` for `x` `(..., cols)` f32 on the CPU; returns `(..., rows)`.
+    /// The same weight with its blocks also on `device` (CUDA or Metal), where candle's
+    /// quantized kernels multiply them; the CPU keeps reading the file's. On the CPU itself:
+    /// unchanged.
+    pub fn on(self, device: &Device) -> Result<Self> {
+        if device.is_cpu() {
+            return Ok(self);
+        }
+        let q = self.candle_qtensor(device)?;
+        Ok(Self {
+            on_device: Some(Arc::new(QMatMul::from_qtensor(q)?)),
+            ..self
+        })
+    }
+
+    /// The blocks as candle's `QTensor` `(rows, cols)` on `device` (the same bytes: candle
+    /// reads every type this crate keeps in blocks).
+    pub fn candle_qtensor(&self, device: &Device) -> Result<QTensor> {
+        Ok(qtensor_from_ggml(
+            self.ty.candle_dtype(),
+            self.data()?,
+            vec![self.rows, self.cols],
+            device,
+        )?)
+    }
+
+    /// `x W^T` with candle's quantized kernels on `x`'s device (f32 activations, as candle's
+    /// quantized models use them), for a weight placed there by [`QuantWeight::on`].
+    pub fn forward_on_device(&self, qm: &QMatMul, x: &Tensor) -> Result<Tensor> {
+        let dtype = x.dtype();
+        Ok(qm.forward(&x.to_dtype(DType::F32)?)?.to_dtype(dtype)?)
+    }
+
+    /// `x W^T` for `x` `(..., cols)`; returns `(..., rows)`. A few f32 rows on the CPU go
+    /// through this crate's row kernels, on a device the weight was placed on
+    /// ([`QuantWeight::on`]) through candle's quantized kernels; anything else (a prompt, an
+    /// input that tracks gradients: candle's kernels have no backward) multiplies the weight
+    /// dequantized for the call.
     pub fn forward(&self, x: &Tensor) -> Result<Tensor> {
         let inp = x.dim(D::Minus1)?;
-        if inp != self.cols || x.dtype() != DType::F32 || !x.device().is_cpu() {
+        if inp != self.cols {
             return Err(Error::input(
                 "x",
-                format!("(..., {}) f32 on the CPU for `{}`", self.cols, self.name),
-                format!("{:?} {:?} on {:?}", x.dims(), x.dtype(), x.device()),
+                format!("(..., {}) for `{}`", self.cols, self.name),
+                format!("{:?}", x.dims()),
             ));
         }
+        if !x.track_op() {
+            if let (false, Some(qm)) = (x.device().is_cpu(), &self.on_device) {
+                return self.forward_on_device(qm, x);
+            }
+        }
         let rows = x.elem_count() / inp.max(1);
-        if rows <= FEW_ROWS && !x.track_op() {
+        if rows <= FEW_ROWS && !x.track_op() && x.device().is_cpu() && x.dtype() == DType::F32 {
             // One pass over the blocks per row: cheaper than dequantizing the whole weight.
             let xs: Vec<f32> = x.flatten_all()?.to_vec1()?;
             let mut y = vec![0f32; rows * self.rows];
@@ -144,13 +190,16 @@ impl QuantWeight {
             }
             return output_like(x, y, self.rows);
         }
-        // Several rows (or `x` tracking gradients): the weight dequantized once for the
-        // call, multiplied as a dense layer would.
-        let w = self.dequantize(x.device())?;
+        // The weight dequantized once for the call, multiplied as a dense layer would.
+        let w = self
+            .dequantize(&Device::Cpu)?
+            .to_device(x.device())?
+            .to_dtype(x.dtype())?;
         Ok(Linear::new(w, None).forward(x)?)
     }
 
-    /// The rows `ids` (an embedding lookup), dequantized: `(..., cols)` f32 for ids `(...)`.
+    /// The rows `ids` (an embedding lookup), dequantized on the CPU: `(..., cols)` f32 for
+    /// ids `(...)`, on `ids`' device.
     pub fn rows_of(&self, ids: &Tensor) -> Result<Tensor> {
         let flat: Vec<u32> = ids.flatten_all()?.to_dtype(DType::U32)?.to_vec1()?;
         let row_bytes = self
@@ -178,6 +227,59 @@ impl QuantWeight {
         }
         let mut shape = ids.dims().to_vec();
         shape.push(self.cols);
-        Ok(Tensor::from_vec(out, shape, ids.device())?)
+        Ok(Tensor::from_vec(out, shape, &Device::Cpu)?.to_device(ids.device())?)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// What a CUDA or Metal device gets, checked on the CPU with candle's CPU backend: the
+    /// blocks read as candle's `QTensor` dequantize to this crate's values bit for bit (same
+    /// bytes, same `(rows, cols)`), and candle's quantized product (8-bit activations, as
+    /// llama.cpp) stays within a few hundredths of the magnitude of this crate's f32 one.
+    #[test]
+    fn the_blocks_a_device_gets_are_the_same_weight() -> Result<()> {
+        let path =
+            std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/gguf/types.gguf");
+        let file = GgufFile::open(path)?;
+        let mut checked = Vec::new();
+        for info in file.tensors() {
+            let (Ok(ty), [cols, rows]) = (info.dtype, info.ggml_dims.as_slice()) else {
+                continue;
+            };
+            let Some(q) = QuantWeight::from_gguf(&file, &info.name, *rows, *cols)? else {
+                continue;
+            };
+            let mine: Vec<f32> = q.dequantize(&Device::Cpu)?.flatten_all()?.to_vec1()?;
+            let theirs = q.candle_qtensor(&Device::Cpu)?;
+            assert_eq!(theirs.shape().dims(), [*rows, *cols], "{}", info.name);
+            let theirs: Vec<f32> = theirs.dequantize(&Device::Cpu)?.flatten_all()?.to_vec1()?;
+            assert!(
+                mine.iter()
+                    .zip(&theirs)
+                    .all(|(a, b)| a.to_bits() == b.to_bits()),
+                "{}: candle's values differ",
+                info.name
+            );
+            let x = Tensor::from_vec(
+                crate::kernels::test_values(2 * cols, 7),
+                (2, *cols),
+                &Device::Cpu,
+            )?;
+            let qm = QMatMul::from_qtensor(q.candle_qtensor(&Device::Cpu)?)?;
+            let (a, b) = (q.forward(&x)?, q.forward_on_device(&qm, &x)?);
+            let scale = a.abs()?.max_all()?.to_scalar::<f32>()?.max(1e-3);
+            let diff = (a - b)?.abs()?.max_all()?.to_scalar::<f32>()?;
+            assert!(
+                diff <= 0.05 * scale,
+                "{} ({ty}): {diff} against {scale}",
+                info.name
+            );
+            checked.push(ty);
+        }
+        assert!(checked.len() >= 5, "block types checked: {checked:?}");
+        Ok(())
     }
 }

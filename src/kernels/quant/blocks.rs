@@ -81,6 +81,26 @@ impl QuantType {
         })
     }
 
+    /// candle's name of this type (its quantized tensors hold the same bytes).
+    pub fn candle_dtype(self) -> candle_core::quantized::GgmlDType {
+        use candle_core::quantized::GgmlDType as G;
+        match self {
+            Self::F32 => G::F32,
+            Self::F16 => G::F16,
+            Self::BF16 => G::BF16,
+            Self::Q4_0 => G::Q4_0,
+            Self::Q4_1 => G::Q4_1,
+            Self::Q5_0 => G::Q5_0,
+            Self::Q5_1 => G::Q5_1,
+            Self::Q8_0 => G::Q8_0,
+            Self::Q2K => G::Q2K,
+            Self::Q3K => G::Q3K,
+            Self::Q4K => G::Q4K,
+            Self::Q5K => G::Q5K,
+            Self::Q6K => G::Q6K,
+        }
+    }
+
     /// ggml's id.
     pub fn ggml_id(self) -> u32 {
         match self {
@@ -389,21 +409,7 @@ pub(crate) mod tests {
 
     /// candle's name of `ty` (its quantizer is the tests' source of blocks).
     pub(crate) fn ggml(ty: QuantType) -> GgmlDType {
-        match ty {
-            QuantType::F32 => GgmlDType::F32,
-            QuantType::F16 => GgmlDType::F16,
-            QuantType::BF16 => GgmlDType::BF16,
-            QuantType::Q4_0 => GgmlDType::Q4_0,
-            QuantType::Q4_1 => GgmlDType::Q4_1,
-            QuantType::Q5_0 => GgmlDType::Q5_0,
-            QuantType::Q5_1 => GgmlDType::Q5_1,
-            QuantType::Q8_0 => GgmlDType::Q8_0,
-            QuantType::Q2K => GgmlDType::Q2K,
-            QuantType::Q3K => GgmlDType::Q3K,
-            QuantType::Q4K => GgmlDType::Q4K,
-            QuantType::Q5K => GgmlDType::Q5K,
-            QuantType::Q6K => GgmlDType::Q6K,
-        }
+        ty.candle_dtype()
     }
 
     /// Every type against candle's quantizer and dequantizer (a port of ggml's reference):
