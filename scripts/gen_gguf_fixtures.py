@@ -52,7 +52,7 @@ RANDOM_BLOCKS = [
 ]
 
 
-DECODERS = ["llama_gqa", "llama_linear_rope", "llama_head_dim", "qwen2_tied"]
+DECODERS = ["llama_gqa", "llama_linear_rope", "llama_head_dim", "qwen2_tied", "llama3_rope"]
 FIXTURES = os.path.join(os.path.dirname(__file__), "..", "tests", "fixtures", "decoders")
 
 
@@ -92,6 +92,34 @@ def gguf_name(hf):
     raise KeyError(hf)
 
 
+def llama3_rope_factors(rope, dim):
+    """llama.cpp's convert_hf_to_gguf.py LlamaModel.generate_extra_tensors: LLaMA 3.1's
+    scaling as one divisor per rotary frequency (f32)."""
+    import math
+
+    import torch
+
+    base = rope.get("rope_theta", 10000.0)
+    freqs = 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.float32) / dim))
+    factor = rope.get("factor", 8.0)
+    low_freq_factor = rope.get("low_freq_factor", 1.0)
+    high_freq_factor = rope.get("high_freq_factor", 4.0)
+    old_context_len = rope.get("original_max_position_embeddings", 8192)
+    low_freq_wavelen = old_context_len / low_freq_factor
+    high_freq_wavelen = old_context_len / high_freq_factor
+    factors = []
+    for freq in freqs:
+        wavelen = 2 * math.pi / freq
+        if wavelen < high_freq_wavelen:
+            factors.append(1)
+        elif wavelen > low_freq_wavelen:
+            factors.append(factor)
+        else:
+            smooth = (old_context_len / wavelen - low_freq_factor) / (high_freq_factor - low_freq_factor)
+            factors.append(1 / ((1 - smooth) / factor + smooth))
+    return np.array(factors, dtype=np.float32)
+
+
 def write_decoder(case, qtype):
     from safetensors.numpy import load_file
 
@@ -121,9 +149,14 @@ def write_decoder(case, qtype):
     scaling = cfg.get("rope_scaling") or (params if params.get("rope_type", "default") != "default" else None)
     if scaling:
         kind = scaling.get("type") or scaling.get("rope_type")
-        assert kind == "linear", kind
-        w.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
-        w.add_rope_scaling_factor(scaling["factor"])
+        if kind == "llama3":
+            # As llama.cpp's converter (LlamaModel.generate_extra_tensors): no scaling keys,
+            # a `rope_freqs` tensor of per-frequency divisors.
+            w.add_tensor("rope_freqs.weight", llama3_rope_factors(params or scaling, head_dim))
+        else:
+            assert kind == "linear", kind
+            w.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
+            w.add_rope_scaling_factor(scaling["factor"])
     w.add_bos_token_id(cfg.get("bos_token_id") or 1)
     w.add_eos_token_id(cfg.get("eos_token_id") or 2)
     hf_out = {}

@@ -268,3 +268,56 @@ fn a_sentencepiece_tokenizer_from_gguf_gives_transformers_ids() -> anyhow::Resul
     }
     Ok(())
 }
+
+/// LLaMA 3.1's rope scaling as llama.cpp's converter writes it (a `rope_freqs.weight` tensor
+/// of per-frequency divisors, no scaling keys): the same frequencies, to f32 rounding, as the
+/// directory's `rope_parameters` (`llama3`, transformers' golden fixture), so the same greedy
+/// ids and logits within f32 rounding, from the F32 file and from the quantized ones against
+/// the weights transformers loads from them.
+#[test]
+fn llama3_rope_freqs_are_the_llama3_scaling() -> anyhow::Result<()> {
+    let case = "llama3_rope";
+    let gguf = repo_path(&format!("tests/fixtures/gguf/{case}.f32.gguf"));
+    let dir = repo_path(&format!("tests/fixtures/decoders/{case}"));
+    let cfg = LlamaConfig::from_gguf(&GgufFile::open(&gguf)?)?;
+    let want = LlamaConfig::from_file(dir.join("config.json"))?;
+    assert!(matches!(
+        cfg.rope.scaling,
+        candle_attention::RopeScaling::Factors { .. }
+    ));
+    for (a, b) in cfg.rope.inv_freq().iter().zip(want.rope.inv_freq()) {
+        assert!(
+            (a - b).abs() <= 1e-6 * b.abs(),
+            "inverse frequency {a} vs {b}"
+        );
+    }
+    let close = |what: &str, a: &LlamaModel, b: &LlamaModel| -> anyhow::Result<()> {
+        let prompt = prompt_of(case)?;
+        let ((la, ia), (lb, ib)) = (run(a, &prompt)?, run(b, &prompt)?);
+        assert_eq!(ia, ib, "{what}: greedy ids");
+        let scale = lb.iter().fold(0f32, |m, v| m.max(v.abs()));
+        let worst = la
+            .iter()
+            .zip(&lb)
+            .map(|(x, y)| (x - y).abs())
+            .fold(0f32, f32::max);
+        assert!(worst <= 1e-5 * scale, "{what}: logits differ by {worst}");
+        Ok(())
+    };
+    let from_gguf = LlamaModel::from_gguf(&gguf, DType::F32, &Device::Cpu)?;
+    close(
+        "f32",
+        &from_gguf,
+        &LlamaModel::from_dir(&dir, DType::F32, &Device::Cpu)?,
+    )?;
+    for ty in ["q8_0", "q4_1"] {
+        let file = repo_path(&format!("tests/fixtures/gguf/{case}.{ty}.gguf"));
+        let deq = repo_path(&format!("tests/fixtures/gguf/{case}.{ty}"));
+        close(
+            ty,
+            &LlamaModel::from_gguf(&file, DType::F32, &Device::Cpu)?,
+            &LlamaModel::from_dir(&deq, DType::F32, &Device::Cpu)?,
+        )?;
+    }
+    Ok(())
+}

@@ -20,7 +20,7 @@ use crate::error::{Error, Result};
 use crate::kernels::decode::gemv::{one_row_gated, one_row_linear};
 use crate::kernels::decode::widen;
 use crate::models::kv_cache::KvCache;
-use crate::models::rope::{RopeConfig, RopeLayout, RotaryEmbedding};
+use crate::models::rope::{RopeConfig, RopeLayout, RopeScaling, RotaryEmbedding};
 use crate::models::trace::{graph_input, probe, ForwardTrace, TraceOptions};
 use crate::weights::config::{read_config_file, AttentionConfig};
 use crate::weights::gguf::GgufFile;
@@ -99,7 +99,13 @@ impl LlamaConfig {
     /// The configuration of a LLaMA-family GGUF file, from its metadata (the `config.json`
     /// transformers builds when it loads the file).
     pub fn from_gguf(file: &GgufFile) -> Result<Self> {
-        Self::from_value(gguf_layout::hf_config(file)?)
+        let mut cfg = Self::from_value(gguf_layout::hf_config(file)?)?;
+        if let Some(factors) = gguf_layout::rope_freqs(file)? {
+            // LLaMA 3.1's scaling as llama.cpp stores it: a divisor per frequency.
+            cfg.rope.scaling = RopeScaling::Factors { factors };
+            cfg.rope.validate()?;
+        }
+        Ok(cfg)
     }
 
     /// Parses and checks the text of a `config.json`.
@@ -173,7 +179,7 @@ impl RopeConfig {
             theta: 10_000.0,
             head_dim: 2,
             rotary_dim: 2,
-            scaling: crate::models::rope::RopeScaling::Default,
+            scaling: RopeScaling::Default,
             layout: RopeLayout::Half,
         }
     }
@@ -576,7 +582,7 @@ impl LlamaModel {
     pub fn from_gguf(path: impl AsRef<Path>, dtype: DType, device: &Device) -> Result<Self> {
         let file = GgufFile::open(path)?;
         let raw = gguf_layout::hf_config(&file)?;
-        let cfg = LlamaConfig::from_value(raw.clone())?;
+        let cfg = LlamaConfig::from_gguf(&file)?;
         let weights = gguf_layout::GgufLlamaWeights::new(file.clone(), &raw)?;
         let vb = VarBuilder::from_backend(Box::new(weights), dtype, device.clone());
         Self::load_from(vb, &cfg, Some(&file))

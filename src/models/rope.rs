@@ -41,6 +41,12 @@ pub enum RopeScaling {
         /// The context the model was first trained for.
         original_max_position_embeddings: usize,
     },
+    /// Each frequency divided by its own factor: how llama.cpp's files store LLaMA 3.1's
+    /// scaling (the `rope_freqs` tensor, `rotary_dim / 2` factors).
+    Factors {
+        /// One divisor per frequency.
+        factors: Vec<f32>,
+    },
 }
 
 /// The rotary configuration of one model.
@@ -139,7 +145,7 @@ impl RopeConfig {
         Ok(c)
     }
 
-    fn validate(&self) -> Result<()> {
+    pub(crate) fn validate(&self) -> Result<()> {
         if self.head_dim == 0 || self.rotary_dim == 0 || self.rotary_dim > self.head_dim {
             return Err(Error::config(format!(
                 "rotary dims: {} of a head of {} (partial_rotary_factor in (0, 1])",
@@ -158,6 +164,16 @@ impl RopeConfig {
             {
                 Err(Error::config(format!(
                     "rope scaling factor must be positive, found {factor}"
+                )))
+            }
+            RopeScaling::Factors { factors }
+                if factors.len() != self.rotary_dim / 2
+                    || !factors.iter().all(|f| f.is_finite() && *f > 0.0) =>
+            {
+                Err(Error::config(format!(
+                    "{} rope frequency factors for {} rotated features: one positive factor per frequency needed",
+                    factors.len(),
+                    self.rotary_dim
                 )))
             }
             RopeScaling::Llama3 {
@@ -181,11 +197,14 @@ impl RopeConfig {
         let mut inv: Vec<f32> = (0..d / 2)
             .map(|i| 1.0 / base.powf((2 * i) as f32 / d as f32))
             .collect();
-        match self.scaling {
+        match &self.scaling {
             RopeScaling::Default => {}
             RopeScaling::Linear { factor } => {
-                let f = factor as f32;
+                let f = *factor as f32;
                 inv.iter_mut().for_each(|x| *x /= f);
+            }
+            RopeScaling::Factors { factors } => {
+                inv.iter_mut().zip(factors).for_each(|(x, f)| *x /= f);
             }
             RopeScaling::Llama3 {
                 factor,
@@ -194,11 +213,11 @@ impl RopeConfig {
                 original_max_position_embeddings,
             } => {
                 let (factor, low, high) = (
-                    factor as f32,
-                    low_freq_factor as f32,
-                    high_freq_factor as f32,
+                    *factor as f32,
+                    *low_freq_factor as f32,
+                    *high_freq_factor as f32,
                 );
-                let old = original_max_position_embeddings as f32;
+                let old = *original_max_position_embeddings as f32;
                 let (low_wavelen, high_wavelen) = (old / low, old / high);
                 for x in inv.iter_mut() {
                     let wavelen = 2.0 * std::f32::consts::PI / *x;

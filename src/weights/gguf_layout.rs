@@ -47,6 +47,18 @@ pub(crate) fn rows_permuted(file: &GgufFile) -> Result<bool> {
     Ok(matches!(architecture(file)?, "llama" | "mistral"))
 }
 
+/// llama.cpp's tensor of per-frequency rope divisors (LLaMA 3.1's scaling).
+const ROPE_FREQS: &str = "rope_freqs.weight";
+
+/// The per-frequency rope divisors a file stores (`rope_freqs.weight`, as llama.cpp's
+/// converter writes LLaMA 3.1's scaling), `None` when it has none.
+pub(crate) fn rope_freqs(file: &GgufFile) -> Result<Option<Vec<f32>>> {
+    if file.tensor_info(ROPE_FREQS).is_err() {
+        return Ok(None);
+    }
+    let t = file.dequantize(ROPE_FREQS, &candle_core::Device::Cpu)?;
+    Ok(Some(t.flatten_all()?.to_vec1::<f32>()?))
+}
 /// The metadata of a LLaMA-family file as the `config.json` transformers builds from it.
 pub(crate) fn hf_config(file: &GgufFile) -> Result<Value> {
     let arch = architecture(file)?;
@@ -135,11 +147,11 @@ pub(crate) fn hf_config(file: &GgufFile) -> Result<Value> {
             })
         }
     }
-    if file.tensor_info("rope_freqs.weight").is_ok() {
+    if file.tensor_info(ROPE_FREQS).is_ok() && scaling.is_some_and(|s| s != "none") {
         return Err(Error::UnsupportedGguf {
             path: file.path().to_path_buf(),
-            what: "precomputed rope frequencies (`rope_freqs.weight`, LLaMA-3 scaling)".into(),
-            supported: String::new(),
+            what: format!("`{ROPE_FREQS}` together with a rope scaling type"),
+            supported: "one or the other".into(),
         });
     }
     if let Some(w) = file
