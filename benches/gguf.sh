@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # GGUF models: ours (examples/generate.rs) against llama.cpp (llama-cpp-python, built from
-# source with native flags) on the same files, side by side, THREADS threads each, with each
-# file's bandwidth bound.
+# source with native flags) and candle-transformers' `quantized_llama` (benches/candle_quantized,
+# built here with -C target-cpu=native; CANDLE=0 skips it) on the same files, side by side,
+# THREADS threads each, with each file's bandwidth bound.
 #
 #   benches/gguf.sh [FILE.gguf ...]     (default: models/SmolLM2-135M-Instruct.*.gguf)
 #   THREADS=2 ROUNDS=3 PYTHON=python3
@@ -29,6 +30,15 @@ cargo build --release --example generate --example bench >&2
 BIN="${CARGO_TARGET_DIR:-target}/release/examples"
 BW="$("$BIN/bench" --bandwidth --json | "$PY" -c 'import json, sys; print(json.load(sys.stdin)["read_bandwidth_gb_s"])')"
 echo "read bandwidth ($THREADS threads): $BW GB/s; $(grep -m1 'model name' /proc/cpuinfo | cut -d: -f2)" >&2
+have_candle=0
+if [ "${CANDLE:-1}" = 1 ]; then
+  CANDLE_TARGET="${CANDLE_TARGET:-$HOME/.cache/candle-attention/target-candle-bench}"
+  if CARGO_TARGET_DIR="$CANDLE_TARGET" RUSTFLAGS="-C target-cpu=native" \
+    cargo build --release --manifest-path benches/candle_quantized/Cargo.toml >&2; then
+    have_candle=1
+    CANDLE_BIN="$CANDLE_TARGET/release/candle-quantized-bench"
+  fi
+fi
 have_llama=0
 "$PY" -c 'import llama_cpp' 2>/dev/null && have_llama=1
 IDS="$("$PY" -c 'print(",".join(str(i) for i in ([504, 3575, 282, 4649, 314] * 120)[:512]))')"
@@ -48,6 +58,20 @@ for f in "${files[@]}"; do
     rss="$(awk -v a="$rss" -v b="$kb" 'BEGIN { print (b > a) ? b : a }')"
   done
   printf '| %s | ours | %.1f | %.0f | %.0f | %.0f%% of %s |\n' "$(basename "$f")" "$best_dec" "$best_pre" "$(awk -v k="$rss" 'BEGIN { print k / 1024 }')" "$(awk -v d="$best_dec" -v b="$bound" 'BEGIN { print 100 * d / b }')" "$bound"
+  if [ "$have_candle" = 1 ]; then
+    c_dec=0; c_pre=0; c_rss=0
+    for _ in $(seq "$ROUNDS"); do
+      d="$("$CANDLE_BIN" "$f" 504,3575,282,4649,314 64 | field decode_tokens_per_s)"
+      out="$( { /usr/bin/time -f '%M' "$CANDLE_BIN" "$f" "$IDS" 2; } 2>&1)"
+      p="$(echo "$out" | field prefill_tokens_per_s)"
+      kb="$(echo "$out" | tail -n 1)"
+      c_dec="$(awk -v a="$c_dec" -v b="$d" 'BEGIN { print (b > a) ? b : a }')"
+      c_pre="$(awk -v a="$c_pre" -v b="$p" 'BEGIN { print (b > a) ? b : a }')"
+      c_rss="$(awk -v a="$c_rss" -v b="$kb" 'BEGIN { print (b > a) ? b : a }')"
+    done
+    printf '| %s | candle quantized_llama 0.11.1 | %.1f | %.0f | %.0f | %.0f%% of %s |\n' "$(basename "$f")" "$c_dec" "$c_pre" \
+      "$(awk -v k="$c_rss" 'BEGIN { print k / 1024 }')" "$(awk -v d="$c_dec" -v b="$bound" 'BEGIN { print 100 * d / b }')" "$bound"
+  fi
   if [ "$have_llama" = 1 ]; then
     j="$("$PY" benches/llamacpp_gguf.py "$f" "$THREADS" "$ROUNDS" 2>/dev/null)"
     printf '| %s | %s | %.1f | %.0f | %.0f | %.0f%% of %s |\n' "$(basename "$f")" "$(echo "$j" | field tool)" \
