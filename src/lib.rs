@@ -20,6 +20,12 @@
 //!   on the CPU in f32 its forward and backward run on the kernels (FlashAttention-2-style
 //!   backward, memory linear in the sequence). [`dispatch`] tells which implementation runs
 //!   a call.
+//! - Models: [`BertEncoder`] (sentence embeddings with [`Embedder`]) and [`LlamaModel`]
+//!   (safetensors directories, or one GGUF file with [`LlamaModel::from_gguf`]: weights kept
+//!   in their blocks, the tokenizer from [`TextEncoder::from_gguf`]).
+//! - [`viz`]: attention dumps, heatmaps (terminal, SVG), the HTML page, and explanations
+//!   beside the raw weights ([`viz::Explanation`]: attention rollout, gradient-weighted
+//!   relevance through the differentiable forward, value-weighted norms).
 //!
 //! Three uses, in short (the README has more):
 //!
