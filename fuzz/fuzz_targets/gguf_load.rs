@@ -1,5 +1,5 @@
 //! GGUF loading from arbitrary bytes: parsing, every metadata getter, every tensor's bytes
-//! and its dequantization. Errors are fine; panics, aborts, hangs and allocations the bytes
+//! and its dequantization, the configuration and the tokenizer from the metadata. Errors are fine; panics, aborts, hangs and allocations the bytes
 //! merely ask for are bugs.
 #![no_main]
 
@@ -23,4 +23,8 @@ fuzz_target!(|data: &[u8]| {
         let _ = file.dequantize(name, &Device::Cpu);
     }
     let _ = file.tensor_info("missing");
+    // The model configuration and the tokenizer built from the metadata (byte-level or
+    // SentencePiece, merges from the file or derived from the scores, rope_freqs).
+    let _ = candle_attention::LlamaConfig::from_gguf(&file);
+    let _ = candle_attention::TextEncoder::from_gguf(&file);
 });
