@@ -18,6 +18,42 @@ use crate::kernels::scratch::with_scratch;
 /// Rows dequantized together (the f32 kernel's group of rows).
 const GROUP: usize = 4;
 
+/// The block types the SIMD row kernels take: those of real files' matrices (Q4_0, Q4_1,
+/// Q5_0, Q5_1, Q8_0, and the K-quants of Q4_K_M files).
+pub(crate) const ROW_KERNEL_TYPES: [QuantType; 7] = [
+    QuantType::Q4_0,
+    QuantType::Q4_1,
+    QuantType::Q5_0,
+    QuantType::Q5_1,
+    QuantType::Q8_0,
+    QuantType::Q4K,
+    QuantType::Q6K,
+];
+
+/// The 32-value block types as const parameters of the row kernels (one loop compiled per
+/// type).
+#[cfg(target_arch = "x86_64")]
+pub(crate) mod kind {
+    use crate::kernels::quant::blocks::QuantType;
+
+    pub(crate) const Q8_0: u8 = 0;
+    pub(crate) const Q4_0: u8 = 1;
+    pub(crate) const Q4_1: u8 = 2;
+    pub(crate) const Q5_0: u8 = 3;
+    pub(crate) const Q5_1: u8 = 4;
+
+    /// The type of kind `k`.
+    pub(crate) fn quant_type(k: u8) -> QuantType {
+        match k {
+            Q8_0 => QuantType::Q8_0,
+            Q4_0 => QuantType::Q4_0,
+            Q4_1 => QuantType::Q4_1,
+            Q5_0 => QuantType::Q5_0,
+            _ => QuantType::Q5_1,
+        }
+    }
+}
+
 /// A row kernel's signature: `sum_k W[k] x[k]` for one row of `ty` blocks.
 type RowDot = fn(QuantType, &[u8], &[f32]) -> Option<f32>;
 
@@ -100,6 +136,61 @@ mod tests {
     use crate::kernels::quant::blocks::tests::ggml;
     use candle_core::quantized::QTensor;
     use candle_core::{Device, Tensor};
+
+    /// Each row kernel's dot product (AVX-512, AVX2 + FMA + F16C) against the same weight
+    /// dequantized (gguf-py's values), summed in f64: within f32 rounding of the sum of
+    /// magnitudes, for every type it takes, on any CPU that runs it; a row of the wrong size
+    /// has no kernel.
+    #[test]
+    fn row_dots_equal_the_dequantized_weight_s() -> candle_core::Result<()> {
+        #[cfg(target_arch = "x86_64")]
+        for ty in ROW_KERNEL_TYPES {
+            use crate::kernels::simd::{isa, Isa};
+            assert_eq!(
+                quant_gemv_avx512::supports(ty),
+                matches!(isa(), Isa::Avx512),
+                "{ty}: kernel"
+            );
+        }
+        type Supports = fn(QuantType) -> bool;
+        let kernels: [(Supports, RowDot); 2] = [
+            (quant_gemv_avx512::supports, quant_gemv_avx512::row_dot),
+            (quant_gemv_avx2::supports, quant_gemv_avx2::row_dot),
+        ];
+        for (supports, row_dot) in kernels {
+            for ty in ROW_KERNEL_TYPES {
+                if !supports(ty) {
+                    continue;
+                }
+                let (rows, cols) = (9, 768);
+                let w = crate::kernels::test_values(rows * cols, 11);
+                let q =
+                    QTensor::quantize(&Tensor::from_vec(w, (rows, cols), &Device::Cpu)?, ggml(ty))?;
+                let bytes = q.data()?;
+                let mut deq = vec![0f32; rows * cols];
+                assert!(blocks::dequantize(ty, &bytes, &mut deq));
+                let x = crate::kernels::test_values(cols, 2);
+                let row_bytes = bytes.len() / rows;
+                for r in 0..rows {
+                    let got = row_dot(ty, &bytes[r * row_bytes..(r + 1) * row_bytes], &x)
+                        .ok_or_else(|| candle_core::Error::Msg(format!("{ty}: no kernel")))?;
+                    let w = &deq[r * cols..(r + 1) * cols];
+                    let want: f64 = w.iter().zip(&x).map(|(a, b)| *a as f64 * *b as f64).sum();
+                    let mag: f64 = w
+                        .iter()
+                        .zip(&x)
+                        .map(|(a, b)| (*a as f64 * *b as f64).abs())
+                        .sum();
+                    assert!(
+                        (got as f64 - want).abs() <= mag * 1e-6,
+                        "{ty} row {r}: {got} vs {want}"
+                    );
+                }
+                assert!(row_dot(ty, &bytes[..row_bytes - 1], &x).is_none());
+            }
+        }
+        Ok(())
+    }
 
     /// The product on the blocks equals the f32 kernel's on the dequantized weight (bit for
     /// bit where it runs that kernel, within rounding where the fused kernels sum in their

@@ -7,6 +7,11 @@
 #[cfg(target_arch = "x86_64")]
 use std::arch::x86_64::*;
 
+#[cfg(target_arch = "x86_64")]
+use crate::kernels::decode::quant_gemv::kind;
+use crate::kernels::decode::quant_gemv::ROW_KERNEL_TYPES;
+#[cfg(target_arch = "x86_64")]
+use crate::kernels::quant::blocks::scale_min_k4;
 use crate::kernels::quant::blocks::QuantType;
 
 /// Whether this CPU runs these kernels for `ty` (AVX2, FMA and F16C, and the instruction
@@ -22,16 +27,7 @@ pub(crate) fn supports(ty: QuantType) -> bool {
                 && is_x86_feature_detected!("fma")
                 && is_x86_feature_detected!("f16c")
         }) && matches!(isa(), Isa::Avx512 | Isa::Avx2);
-        cpu && matches!(
-            ty,
-            QuantType::Q4_0
-                | QuantType::Q4_1
-                | QuantType::Q5_0
-                | QuantType::Q5_1
-                | QuantType::Q8_0
-                | QuantType::Q4K
-                | QuantType::Q6K
-        )
+        cpu && ROW_KERNEL_TYPES.contains(&ty)
     }
     #[cfg(not(target_arch = "x86_64"))]
     {
@@ -59,15 +55,7 @@ pub(crate) fn row_dot(ty: QuantType, row: &[u8], x: &[f32]) -> Option<f32> {
 }
 
 #[cfg(target_arch = "x86_64")]
-const Q8_0: u8 = 0;
-#[cfg(target_arch = "x86_64")]
-const Q4_0: u8 = 1;
-#[cfg(target_arch = "x86_64")]
-const Q4_1: u8 = 2;
-#[cfg(target_arch = "x86_64")]
-const Q5_0: u8 = 3;
-#[cfg(target_arch = "x86_64")]
-const Q5_1: u8 = 4;
+use crate::kernels::decode::quant_gemv::kind::{Q4_0, Q4_1, Q5_0, Q5_1, Q8_0};
 
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx2,fma,f16c")]
@@ -189,18 +177,6 @@ unsafe fn block_values<const K: u8>(b: *const u8) -> [__m256; 4] {
     w
 }
 
-/// Bytes of a block of kind `K`.
-#[cfg(target_arch = "x86_64")]
-const fn block_bytes(k: u8) -> usize {
-    match k {
-        Q8_0 => 34,
-        Q4_0 => 18,
-        Q4_1 => 20,
-        Q5_0 => 22,
-        _ => 24,
-    }
-}
-
 /// The dot product of whole `K` blocks with `x`: four accumulators, one horizontal sum.
 ///
 /// # Safety
@@ -209,7 +185,7 @@ const fn block_bytes(k: u8) -> usize {
 #[inline]
 #[target_feature(enable = "avx2,fma,f16c")]
 unsafe fn dot_blocks<const K: u8>(row: &[u8], x: &[f32]) -> f32 {
-    let size = block_bytes(K);
+    let size = kind::quant_type(K).block_bytes();
     let (bp, xp) = (row.as_ptr(), x.as_ptr());
     let mut acc = [_mm256_setzero_ps(); 4];
     for i in 0..x.len() / 32 {
@@ -223,20 +199,6 @@ unsafe fn dot_blocks<const K: u8>(row: &[u8], x: &[f32]) -> f32 {
         _mm256_add_ps(acc[0], acc[1]),
         _mm256_add_ps(acc[2], acc[3]),
     ))
-}
-
-/// Scale and min of group `j` (0..8) of a Q4_K block's 12 scale bytes at `q`.
-#[cfg(target_arch = "x86_64")]
-#[inline(always)]
-unsafe fn scale_min_k4(j: usize, q: *const u8) -> (u8, u8) {
-    if j < 4 {
-        (*q.add(j) & 63, *q.add(j + 4) & 63)
-    } else {
-        (
-            (*q.add(j + 4) & 0x0F) | ((*q.add(j - 4) >> 6) << 4),
-            (*q.add(j + 4) >> 4) | ((*q.add(j) >> 6) << 4),
-        )
-    }
 }
 
 /// `acc += (dl * q - ml) * x` over 32 unsigned byte values `q` (gguf-py's Q4_K form: the
@@ -265,7 +227,7 @@ unsafe fn dot_q4_k(row: &[u8], x: &[f32]) -> f32 {
     for blk in 0..x.len() / 256 {
         let b = bp.add(blk * 144);
         let (d, dmin) = (half_at_ptr(b), half_at_ptr(b.add(2)));
-        let sc = b.add(4);
+        let sc = std::slice::from_raw_parts(b.add(4), 12);
         for p in 0..4 {
             let qs = _mm256_loadu_si256(b.add(16 + 32 * p) as *const __m256i);
             let (ql, qh) = (
@@ -333,59 +295,4 @@ unsafe fn dot_q6_k(row: &[u8], x: &[f32]) -> f32 {
         _mm256_add_ps(acc[0], acc[1]),
         _mm256_add_ps(acc[2], acc[3]),
     ))
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-    use crate::kernels::quant::blocks;
-    use crate::kernels::quant::blocks::tests::ggml;
-    use candle_core::quantized::QTensor;
-    use candle_core::{Device, Tensor};
-
-    /// Each row's dot product against the same weight dequantized (gguf-py's values), summed
-    /// in f64: within f32 rounding of the sum of magnitudes (every type, on any CPU with
-    /// AVX2, FMA and F16C, AVX-512 ones included).
-    #[test]
-    fn row_dots_equal_the_dequantized_weight_s() -> candle_core::Result<()> {
-        let kernels = [
-            QuantType::Q4_0,
-            QuantType::Q4_1,
-            QuantType::Q5_0,
-            QuantType::Q5_1,
-            QuantType::Q8_0,
-            QuantType::Q4K,
-            QuantType::Q6K,
-        ];
-        for (ty, g) in kernels.map(|t| (t, ggml(t))) {
-            if !supports(ty) {
-                continue;
-            }
-            let (rows, cols) = (9, 768);
-            let w = crate::kernels::test_values(rows * cols, 13);
-            let q = QTensor::quantize(&Tensor::from_vec(w, (rows, cols), &Device::Cpu)?, g)?;
-            let bytes = q.data()?;
-            let mut deq = vec![0f32; rows * cols];
-            assert!(blocks::dequantize(ty, &bytes, &mut deq));
-            let x = crate::kernels::test_values(cols, 3);
-            let row_bytes = bytes.len() / rows;
-            for r in 0..rows {
-                let got = row_dot(ty, &bytes[r * row_bytes..(r + 1) * row_bytes], &x)
-                    .ok_or_else(|| candle_core::Error::Msg(format!("{ty}: no kernel")))?;
-                let w = &deq[r * cols..(r + 1) * cols];
-                let want: f64 = w.iter().zip(&x).map(|(a, b)| *a as f64 * *b as f64).sum();
-                let mag: f64 = w
-                    .iter()
-                    .zip(&x)
-                    .map(|(a, b)| (*a as f64 * *b as f64).abs())
-                    .sum();
-                assert!(
-                    (got as f64 - want).abs() <= mag * 1e-6,
-                    "{ty} row {r}: {got} vs {want}"
-                );
-            }
-            assert!(row_dot(ty, &bytes[..row_bytes - 1], &x).is_none());
-        }
-        Ok(())
-    }
 }

@@ -337,7 +337,7 @@ fn q3_k(b: &[u8; 110], y: &mut [f32; 256]) {
 }
 
 /// Scale and min of group `j` (0..8) of a Q4_K / Q5_K block's 12 scale bytes.
-fn scale_min_k4(j: usize, q: &[u8]) -> (u8, u8) {
+pub(crate) fn scale_min_k4(j: usize, q: &[u8]) -> (u8, u8) {
     if j < 4 {
         (q[j] & 63, q[j + 4] & 63)
     } else {
