@@ -15,6 +15,7 @@ use candle_nn::var_builder::SimpleBackend;
 use candle_nn::VarBuilder;
 
 use crate::error::{Error, Result};
+use crate::kernels::decode::widen::widen_half_bytes;
 use crate::kernels::gemm::matrix::HalfRows;
 
 /// Most tensor names listed in a [`Error::MissingTensor`] message.
@@ -283,30 +284,14 @@ impl Checkpoint {
     }
 }
 
-/// Little-endian f16 or bf16 bytes to f32 values (exact).
+/// Little-endian f16 or bf16 bytes to f32 values (exact), in parallel.
 fn widen_to_f32(bytes: &[u8], is_f16: bool) -> Vec<f32> {
-    use half::slice::HalfFloatSliceExt;
     use rayon::prelude::*;
     const CHUNK: usize = 1 << 16;
-    let n = bytes.len() / 2;
-    let mut out = vec![0f32; n];
+    let mut out = vec![0f32; bytes.len() / 2];
     out.par_chunks_mut(CHUNK)
         .zip(bytes.par_chunks(2 * CHUNK))
-        .for_each(|(dst, src)| {
-            let bits: Vec<u16> = src
-                .chunks_exact(2)
-                .map(|c| u16::from_le_bytes([c[0], c[1]]))
-                .collect();
-            if is_f16 {
-                let halves: Vec<half::f16> =
-                    bits.iter().map(|&b| half::f16::from_bits(b)).collect();
-                halves.convert_to_f32_slice(dst);
-            } else {
-                for (d, &b) in dst.iter_mut().zip(&bits) {
-                    *d = f32::from_bits((b as u32) << 16);
-                }
-            }
-        });
+        .for_each(|(dst, src)| widen_half_bytes(src, !is_f16, dst));
     out
 }
 

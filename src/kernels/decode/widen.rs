@@ -11,6 +11,26 @@ use crate::error::Result;
 /// Values per task.
 const CHUNK: usize = 1 << 16;
 
+/// Little-endian f16 (or bf16) bytes `src` widened to f32 (exact) into `out` (as many values
+/// as `src` holds), 64 at a time through the CPU's conversion instructions.
+pub(crate) fn widen_half_bytes(src: &[u8], bf16: bool, out: &mut [f32]) {
+    let mut bits = [0u16; 64];
+    for (src, dst) in src.chunks(128).zip(out.chunks_mut(64)) {
+        let n = src.len() / 2;
+        for (b, c) in bits.iter_mut().zip(src.chunks_exact(2)) {
+            *b = u16::from_le_bytes([c[0], c[1]]);
+        }
+        if bf16 {
+            for (d, &b) in dst.iter_mut().zip(&bits[..n]) {
+                *d = f32::from_bits(u32::from(b) << 16);
+            }
+        } else {
+            let halves: &[half::f16] = half::slice::HalfBitsSliceExt::reinterpret_cast(&bits[..n]);
+            halves.convert_to_f32_slice(&mut dst[..n]);
+        }
+    }
+}
+
 /// `t` as f32 (contiguous); other dtypes and devices through candle's conversion.
 pub(crate) fn to_f32(t: &Tensor) -> Result<Tensor> {
     if t.dtype() == DType::F32 || !t.device().is_cpu() {

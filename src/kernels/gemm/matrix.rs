@@ -8,6 +8,7 @@
 use std::marker::PhantomData;
 
 use crate::error::{Error, Result};
+use crate::kernels::decode::widen::widen_half_bytes;
 
 /// Largest offset `(rows - 1) * rs + (cols - 1) * cs` a view addresses, `None` when empty.
 fn last_offset(rows: usize, cols: usize, rs: usize, cs: usize) -> Option<usize> {
@@ -37,24 +38,8 @@ pub(crate) struct HalfRows<'a> {
 impl HalfRows<'_> {
     /// Row `r` widened to f32 (exact) into `out` (`cols` values).
     pub fn widen_row(&self, r: usize, out: &mut [f32]) {
-        use half::slice::HalfFloatSliceExt;
         let row = &self.bytes[2 * r * self.cols..2 * (r + 1) * self.cols];
-        let mut bits = [0u16; 64];
-        for (src, dst) in row.chunks(128).zip(out.chunks_mut(64)) {
-            let n = src.len() / 2;
-            for (b, c) in bits.iter_mut().zip(src.chunks_exact(2)) {
-                *b = u16::from_le_bytes([c[0], c[1]]);
-            }
-            if self.bf16 {
-                for (d, &b) in dst.iter_mut().zip(&bits[..n]) {
-                    *d = f32::from_bits(u32::from(b) << 16);
-                }
-            } else {
-                let halves: &[half::f16] =
-                    half::slice::HalfBitsSliceExt::reinterpret_cast(&bits[..n]);
-                halves.convert_to_f32_slice(&mut dst[..n]);
-            }
-        }
+        widen_half_bytes(row, self.bf16, out);
     }
 }
 
