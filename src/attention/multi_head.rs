@@ -9,7 +9,7 @@ use crate::attention::layer_routes::{self, LayerCall};
 use crate::attention::mask::AttentionMask;
 use crate::attention::output::AttentionOutput;
 use crate::attention::path::AttentionPath;
-use crate::attention::projections::LayerProjections;
+use crate::attention::projections::{fused_bias, LayerProjections};
 use crate::error::{Error, Result};
 use crate::kernels::attend::{WeightsBlock, WeightsMode};
 use crate::weights::checkpoint::Checkpoint;
@@ -133,18 +133,7 @@ impl MultiHeadSelfAttention {
             (bias(names[1], k.rows)?, k.rows),
             (bias(names[2], v.rows)?, v.rows),
         ];
-        let qkv_bias = if biases.iter().any(|(b, _)| b.is_some()) {
-            let all = biases
-                .into_iter()
-                .map(|(b, n)| match b {
-                    Some(b) => Ok(b),
-                    None => Ok(Tensor::zeros(n, DType::F32, vb.device())?),
-                })
-                .collect::<Result<Vec<_>>>()?;
-            Some(Tensor::cat(&all, 0)?)
-        } else {
-            None
-        };
+        let qkv_bias = fused_bias(biases, DType::F32, vb.device())?;
         let proj = LayerProjections::from_stored(
             qkv,
             [q.rows, k.rows, v.rows],

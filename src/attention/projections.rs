@@ -160,24 +160,7 @@ impl LayerProjections {
         let qkv = if k_in == hidden && !trainable {
             let weight = Tensor::cat(&[&p.q.weight, &p.k.weight, &p.v.weight], 0)?; // (q+k+v, hidden)
             let weight_t = StoredWeight::new(&weight, &[q_out])?; // (hidden, q+k+v)
-            let bias = if p.q.bias.is_none() && p.k.bias.is_none() && p.v.bias.is_none() {
-                None
-            } else {
-                let or_zeros = |l: &LinearWeights, n: usize| -> Result<Tensor> {
-                    match &l.bias {
-                        Some(b) => Ok(b.clone()),
-                        None => Ok(Tensor::zeros(n, dtype, l.weight.device())?),
-                    }
-                };
-                Some(Tensor::cat(
-                    &[
-                        or_zeros(&p.q, q_out)?,
-                        or_zeros(&p.k, k_out)?,
-                        or_zeros(&p.v, v_out)?,
-                    ],
-                    0,
-                )?)
-            };
+            let bias = linear_biases(&p.q, &p.k, &p.v)?;
             QkvProjection::Fused { weight_t, bias }
         } else {
             QkvProjection::Separate {
@@ -438,7 +421,7 @@ impl LayerProjections {
                     ));
                 }
                 let w = Tensor::cat(&[&q.weight, &k.weight, &v.weight], 0)?; // (q+k+v, hidden)
-                linear(x2, &w, fused_bias(q, k, v)?.as_ref())?
+                linear(x2, &w, linear_biases(q, k, v)?.as_ref())?
             }
         })
     }
@@ -487,7 +470,7 @@ impl LayerProjections {
             (QkvProjection::Separate { q, k, v }, None) => (
                 Tensor::cat(&[&q.weight, &k.weight, &v.weight], 0)?, // (q+k+v, hidden)
                 false,
-                fused_bias(q, k, v)?,
+                linear_biases(q, k, v)?,
             ),
         };
         let c = if qkv_t { w_qkv.dim(1)? } else { w_qkv.dim(0)? };
@@ -568,26 +551,21 @@ impl LayerProjections {
     }
 }
 
-/// The Q/K/V biases as one `(q + k + v,)` vector (zeros for a missing one), or `None` when
-/// none has a bias.
-fn fused_bias(q: &LinearWeights, k: &LinearWeights, v: &LinearWeights) -> Result<Option<Tensor>> {
-    if q.bias.is_none() && k.bias.is_none() && v.bias.is_none() {
-        return Ok(None);
-    }
-    let or_zeros = |l: &LinearWeights| -> Result<Tensor> {
-        match &l.bias {
-            Some(b) => Ok(b.clone()),
-            None => Ok(Tensor::zeros(
-                l.weight.dim(0)?,
-                l.weight.dtype(),
-                l.weight.device(),
-            )?),
-        }
-    };
-    Ok(Some(Tensor::cat(
-        &[or_zeros(q)?, or_zeros(k)?, or_zeros(v)?],
-        0,
-    )?))
+/// The Q/K/V biases of `LinearWeights` as one `(q + k + v,)` vector ([`fused_bias`]).
+fn linear_biases(
+    q: &LinearWeights,
+    k: &LinearWeights,
+    v: &LinearWeights,
+) -> Result<Option<Tensor>> {
+    fused_bias(
+        [
+            (q.bias.clone(), q.weight.dim(0)?),
+            (k.bias.clone(), k.weight.dim(0)?),
+            (v.bias.clone(), v.weight.dim(0)?),
+        ],
+        q.weight.dtype(),
+        q.weight.device(),
+    )
 }
 
 /// `y + b` (`y` unchanged without a bias).
@@ -615,6 +593,26 @@ pub(crate) fn linear_in_out(
         Some(b) => y.broadcast_add(b)?,
         None => y,
     })
+}
+
+/// The fused `(q + k + v,)` bias of three projections `(bias, outputs)` whose biases may be
+/// missing (zeros in their place); `None` when none has one.
+pub(crate) fn fused_bias(
+    parts: [(Option<Tensor>, usize); 3],
+    dtype: DType,
+    device: &candle_core::Device,
+) -> Result<Option<Tensor>> {
+    if parts.iter().all(|(b, _)| b.is_none()) {
+        return Ok(None);
+    }
+    let all = parts
+        .into_iter()
+        .map(|(b, n)| match b {
+            Some(b) => Ok(b),
+            None => Ok(Tensor::zeros(n, dtype, device)?),
+        })
+        .collect::<Result<Vec<_>>>()?;
+    Ok(Some(Tensor::cat(&all, 0)?))
 }
 
 /// `x W^T + b`.

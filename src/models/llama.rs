@@ -14,7 +14,7 @@ use serde_json::Value;
 use crate::attention::explicit::explicit_probed;
 use crate::attention::mask::AttentionMask;
 use crate::attention::multi_head::MultiHeadSelfAttention;
-use crate::attention::projections::LayerProjections;
+use crate::attention::projections::{fused_bias, LayerProjections};
 use crate::attention::sdpa::{scaled_dot_product_attention, SdpaOptions};
 use crate::error::{Error, Result};
 use crate::kernels::decode::gemv::{one_row_gated, one_row_linear};
@@ -305,18 +305,7 @@ fn quantized_attention(
         (bias("k_proj", kv_heads * hd)?, kv_heads * hd),
         (bias("v_proj", kv_heads * hd)?, kv_heads * hd),
     ];
-    let qkv_bias = if parts.iter().any(|(b, _)| b.is_some()) {
-        let all = parts
-            .into_iter()
-            .map(|(b, n)| match b {
-                Some(b) => Ok(b),
-                None => Ok(Tensor::zeros(n, DType::F32, &Device::Cpu)?),
-            })
-            .collect::<Result<Vec<_>>>()?;
-        Some(Tensor::cat(&all, 0)?)
-    } else {
-        None
-    };
+    let qkv_bias = fused_bias(parts, DType::F32, device)?;
     let o_bias = bias("o_proj", d)?;
     Ok(Some(LayerProjections::quantized(
         [q, k, v],
@@ -358,6 +347,16 @@ impl Mlp {
     }
 }
 
+/// The causal sliding window of `w` keys for `t` queries at positions `offset..offset + t`
+/// over the keys `0..offset + t` (Mistral's).
+fn window_mask(t: usize, offset: usize, w: usize, device: &Device) -> Result<AttentionMask> {
+    let total = offset + t;
+    let keep: Vec<u8> = (0..t)
+        .flat_map(|i| (0..total).map(move |j| u8::from(j <= offset + i && j + w > offset + i)))
+        .collect();
+    AttentionMask::keep(&Tensor::from_vec(keep, (t, total), device)?)
+}
+
 /// One decoder layer.
 #[derive(Debug, Clone)]
 struct DecoderLayer {
@@ -394,15 +393,7 @@ impl DecoderLayer {
                 v_all.narrow(2, total - w, w)?,
                 None,
             ),
-            Some(w) if total > w => {
-                let keep: Vec<u8> = (0..t)
-                    .flat_map(|i| {
-                        (0..total).map(move |j| u8::from(j <= offset + i && j + w > offset + i))
-                    })
-                    .collect();
-                let keep = Tensor::from_vec(keep, (t, total), x.device())?;
-                (k_all, v_all, Some(AttentionMask::keep(&keep)?))
-            }
+            Some(w) if total > w => (k_all, v_all, Some(window_mask(t, offset, w, x.device())?)),
             _ if t == 1 => (k_all, v_all, None),
             _ => (
                 k_all,
@@ -441,12 +432,7 @@ impl DecoderLayer {
         let (q, k, v) = self.attn.project_qkv(&h)?;
         let (q, k) = (rope.apply(&q, 0)?, rope.apply(&k, 0)?);
         let mask = match self.window {
-            Some(w) if t > w => {
-                let keep: Vec<u8> = (0..t)
-                    .flat_map(|i| (0..t).map(move |j| u8::from(j <= i && j + w > i)))
-                    .collect();
-                AttentionMask::keep(&Tensor::from_vec(keep, (t, t), x.device())?)?
-            }
+            Some(w) if t > w => window_mask(t, 0, w, x.device())?,
             _ => AttentionMask::causal(),
         };
         let scale = 1.0 / (q.dim(3)? as f64).sqrt();
