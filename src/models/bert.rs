@@ -415,18 +415,18 @@ impl BertLayer {
             _ => None,
         };
         // Once packed, the panels are the only copy kept (unpacked for a call on candle's ops).
-        let stored = |w: FeedForwardWeight, packed: Option<&Arc<PackedWeight>>| -> Result<_> {
-            Ok(match (packed, w) {
-                (Some(p), _) => StoredWeight::Packed(p.clone()),
-                (None, FeedForwardWeight::Packed(p)) => StoredWeight::Packed(p),
-                (None, FeedForwardWeight::Tensor(t)) => StoredWeight::Tensor(t.t()?),
-            })
+        let [intermediate, output] = match &packed {
+            Some(p) => p.weights().map(|w| StoredWeight::Packed(w.clone())),
+            None => {
+                let stored = |w: FeedForwardWeight| -> Result<StoredWeight> {
+                    Ok(match w {
+                        FeedForwardWeight::Packed(p) => StoredWeight::Packed(p),
+                        FeedForwardWeight::Tensor(t) => StoredWeight::Tensor(t.t()?), // (in, out)
+                    })
+                };
+                [stored(intermediate)?, stored(output)?]
+            }
         };
-        let [pi, po] = match &packed {
-            Some(p) => p.weights().map(Some),
-            None => [None, None],
-        };
-        let (intermediate, output) = (stored(intermediate, pi)?, stored(output, po)?);
         let intermediate = Dense {
             weight_t: intermediate,
             bias: intermediate_bias,
