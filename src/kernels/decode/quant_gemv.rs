@@ -20,6 +20,7 @@ const GROUP: usize = 4;
 
 /// The block types the SIMD row kernels take: those of real files' matrices (Q4_0, Q4_1,
 /// Q5_0, Q5_1, Q8_0, and the K-quants of Q4_K_M files).
+#[cfg_attr(not(target_arch = "x86_64"), allow(dead_code))]
 pub(crate) const ROW_KERNEL_TYPES: [QuantType; 7] = [
     QuantType::Q4_0,
     QuantType::Q4_1,

@@ -13,6 +13,7 @@ use std::arch::x86_64::*;
 
 #[cfg(target_arch = "x86_64")]
 use crate::kernels::decode::quant_gemv::kind;
+#[cfg(target_arch = "x86_64")]
 use crate::kernels::decode::quant_gemv::ROW_KERNEL_TYPES;
 #[cfg(target_arch = "x86_64")]
 use crate::kernels::quant::blocks::scale_min_k4;
