@@ -67,9 +67,10 @@ impl MultiHeadSelfAttention {
     }
 
     /// [`MultiHeadSelfAttention::load`] for a layer that computes in f32 on this CPU's packed
-    /// kernels from a checkpoint that stores its matrices in f16 or bf16: each matrix is
-    /// packed straight from the file's map, with no f32 copy of it (most of a model's load
-    /// time is that fresh memory). `Ok(None)` where this does not apply (another dtype,
+    /// kernels from a checkpoint that stores its matrices in f16 or bf16: each matrix stays
+    /// where the file is mapped, read in place by short inputs and packed on the first long
+    /// one ([`PackedWeight::from_half`](crate::kernels::gemm::packed::PackedWeight::from_half)),
+    /// so loading makes no f32 copy. `Ok(None)` where this does not apply (another dtype,
     /// device, CPU or layout, sizes stated in `cfg`, or matrices `load` would reject), and
     /// the caller loads through `load`.
     pub(crate) fn load_half_packed(
@@ -88,6 +89,7 @@ impl MultiHeadSelfAttention {
             prefix => format!("{prefix}.{name}.{what}"),
         };
         let mut parts = Vec::with_capacity(4);
+        let mut keys = Vec::with_capacity(4);
         for name in names {
             let key = full(name, "weight");
             if !ckpt.contains(&key) {
@@ -97,6 +99,7 @@ impl MultiHeadSelfAttention {
                 Some(m) => parts.push(m),
                 None => return Ok(None),
             }
+            keys.push(key);
         }
         let [q, k, v, o] = [parts[0], parts[1], parts[2], parts[3]];
         let heads = cfg.num_heads;
@@ -115,8 +118,8 @@ impl MultiHeadSelfAttention {
             return Ok(None);
         }
         let (Some(qkv), Some(out)) = (
-            StoredWeight::pack_half(&[q, k, v], &[q.rows])?,
-            StoredWeight::pack_half(&[o], &[])?,
+            StoredWeight::from_half(ckpt.half_source(keys[..3].to_vec()), &[q.rows])?,
+            StoredWeight::from_half(ckpt.half_source(keys[3..].to_vec()), &[])?,
         ) else {
             return Ok(None);
         };

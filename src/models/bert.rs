@@ -332,8 +332,8 @@ impl BertLayer {
     }
 
     /// [`BertLayer::load`]; with `half`, the checkpoint `vb` reads, whose f16 or bf16
-    /// matrices are packed straight from its map when the layer runs in f32 on the packed
-    /// kernels (no f32 copy of them is made).
+    /// matrices are read where it is mapped (packed on the first long input) when the layer
+    /// runs in f32 on the packed kernels: no f32 copy of them is made at load time.
     fn load_from(vb: VarBuilder, cfg: &HfConfig, half: Option<&Checkpoint>) -> Result<Self> {
         let d = cfg.hidden_size;
         let attn_cfg = AttentionConfig::new(WeightLayout::Bert, cfg.num_attention_heads);
@@ -373,14 +373,15 @@ impl BertLayer {
         let activation = Activation::from_name(&cfg.hidden_act)?;
         let bias = |name: &str, n: usize| vb.pp(name).pp("dense").get(n, "bias");
         let (intermediate_bias, output_bias) = (bias("intermediate", inter)?, bias("output", d)?);
-        // The two `(out, in)` matrices: packed straight from the checkpoint's half-precision
-        // bytes when it has them and the kernels will run, as loaded tensors otherwise.
+        // The two `(out, in)` matrices: the checkpoint's half-precision bytes where it is
+        // mapped when it has them and the kernels will run, as loaded tensors otherwise.
         let half_packed = match half {
             Some(ckpt) if activation == Activation::Gelu && vb.dtype() == DType::F32 => {
                 let pack = |n: &str, rows: usize, cols: usize| -> Result<Option<PackedWeight>> {
-                    match ckpt.half_matrix(&format!("{}.{n}.dense.weight", vb.prefix()))? {
+                    let name = format!("{}.{n}.dense.weight", vb.prefix());
+                    match ckpt.half_matrix(&name)? {
                         Some(m) if (m.rows, m.cols) == (rows, cols) => {
-                            PackedWeight::pack_half_rows(&[m], &[])
+                            PackedWeight::from_half(ckpt.half_source(vec![name]), &[])
                         }
                         _ => Ok(None),
                     }
@@ -570,7 +571,7 @@ impl BertEncoder {
         .into_iter()
         .find_map(|n| ckpt.stored_dtype(n))
         .filter(|d| dtype == DType::F32 && matches!(d, DType::F16 | DType::BF16));
-        // Half-precision matrices are packed straight from the file's map for f32 on the CPU.
+        // Half-precision matrices are read where the file is mapped for f32 on the CPU.
         let half = (dtype == DType::F32 && device.is_cpu()).then_some(ckpt);
         Self::load_inner(vb, cfg, word_dtype, half)
     }
@@ -597,7 +598,8 @@ impl BertEncoder {
         };
         let dtype = vb.dtype();
         // The embeddings and the layers load side by side: each layer converts its tensors
-        // and packs them for the kernels, which is most of a model's load time.
+        // and packs them for the kernels (or, from a half-precision file, checks its matrices
+        // and reads each page once), which is most of a model's load time.
         let (embeddings, layers) = rayon::join(
             || BertEmbeddings::load(vb.pp("embeddings"), cfg, word_dtype, half),
             || {
@@ -841,12 +843,13 @@ mod tests {
         Ok(Tensor::from_vec(v, shape, &Device::Cpu)?)
     }
 
-    /// A half-precision checkpoint read in f32 on the CPU: its matrices are packed straight
-    /// from the checkpoint's bytes and the word table is read there, with the same results,
-    /// bit for bit, as the tensors widened by a `VarBuilder`; the feed-forward's candle
-    /// route multiplies by the panels unpacked.
+    /// A half-precision checkpoint read in f32 on the CPU: its matrices and its word table are
+    /// read where the checkpoint's bytes are, with the results of the tensors widened by a
+    /// `VarBuilder` (within f32 rounding for a short batch, read in place; bit for bit once a
+    /// long batch has packed them); the feed-forward's candle route multiplies by the same
+    /// values.
     #[test]
-    fn half_checkpoint_packs_from_its_bytes_like_widened_tensors() -> Result<()> {
+    fn half_checkpoint_reads_its_bytes_like_widened_tensors() -> Result<()> {
         let (vocab, d, heads, inter, positions, layers) = (40, 48, 4, 96, 16, 2);
         let cfg: HfConfig = serde_json::from_str(&format!(
             r#"{{"hidden_size": {d}, "num_attention_heads": {heads},
@@ -916,6 +919,20 @@ mod tests {
         }
         let ids = Tensor::new(&[[1u32, 39, 3, 0, 7, 5], [4, 4, 28, 2, 0, 0]], &Device::Cpu)?;
         let mask = Tensor::new(&[[1u32, 1, 1, 1, 1, 1], [1, 1, 1, 1, 0, 0]], &Device::Cpu)?;
+        // A short batch reads the mapped rows in place (sums in another order: within f32
+        // rounding); a long one packs them into the same panels as the widened tensors'
+        // (bit for bit from then on).
+        let (a, b) = (
+            from_bytes.forward(&ids, None, Some(&mask), true)?,
+            widened.forward(&ids, None, Some(&mask), true)?,
+        );
+        let diff = (&a.hidden_states - &b.hidden_states)?
+            .abs()?
+            .max_all()?
+            .to_scalar::<f32>()?;
+        assert!(diff < 1e-5, "short batch, in place vs widened: {diff}");
+        let long = |t: &Tensor| Tensor::cat(&[t, t, t, t], 0);
+        let (ids, mask) = (long(&ids)?, long(&mask)?); // 48 rows, 40 of them real
         let (a, b) = (
             from_bytes.forward(&ids, None, Some(&mask), true)?,
             widened.forward(&ids, None, Some(&mask), true)?,
@@ -929,7 +946,15 @@ mod tests {
         };
         // Real tokens' rows (the padding rows skip the feed-forward on both).
         let real = |t: &Tensor| -> Result<Vec<u32>> {
-            bits(&Tensor::cat(&[t.get(0)?, t.get(1)?.narrow(0, 0, 4)?], 0)?)
+            let rows = (0..4)
+                .flat_map(|i| {
+                    [
+                        t.get(2 * i),
+                        t.get(2 * i + 1).and_then(|r| r.narrow(0, 0, 4)),
+                    ]
+                })
+                .collect::<candle_core::Result<Vec<_>>>()?;
+            bits(&Tensor::cat(&rows, 0)?)
         };
         assert_eq!(real(&a.hidden_states)?, real(&b.hidden_states)?);
         for (wa, wb) in a

@@ -16,7 +16,7 @@ use candle_nn::VarBuilder;
 
 use crate::error::{Error, Result};
 use crate::kernels::decode::widen::widen_half_bytes;
-use crate::kernels::gemm::matrix::HalfRows;
+use crate::kernels::gemm::matrix::{HalfRows, HalfSource};
 
 /// Most tensor names listed in a [`Error::MissingTensor`] message.
 const MAX_LISTED: usize = 32;
@@ -68,6 +68,26 @@ impl std::fmt::Debug for Checkpoint {
             .field("paths", &self.inner.paths)
             .field("tensors", &self.inner.names.len())
             .finish()
+    }
+}
+
+/// Half-precision matrices of a checkpoint, looked up by name on each use (no copy is held).
+#[derive(Debug)]
+struct MappedHalf {
+    ckpt: Checkpoint,
+    names: Vec<String>,
+}
+
+impl HalfSource for MappedHalf {
+    fn parts(&self) -> Result<Vec<HalfRows<'_>>> {
+        self.names
+            .iter()
+            .map(|n| {
+                self.ckpt.half_matrix(n)?.ok_or_else(|| {
+                    Error::Kernel(format!("{n} is no longer stored in half precision"))
+                })
+            })
+            .collect()
     }
 }
 
@@ -186,6 +206,15 @@ impl Checkpoint {
             cols,
             bf16,
         }))
+    }
+
+    /// The matrices `names` (each as [`Checkpoint::half_matrix`] found it in f16 or bf16),
+    /// stacked along their outputs, for kernels that read them where the file is mapped.
+    pub(crate) fn half_source(&self, names: Vec<String>) -> Arc<dyn HalfSource> {
+        Arc::new(MappedHalf {
+            ckpt: self.clone(),
+            names,
+        })
     }
 
     /// Names of the tensors under a dotted prefix (`"encoder.layer.0"` matches

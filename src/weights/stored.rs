@@ -6,7 +6,7 @@ use candle_core::{DType, Device, Tensor};
 
 use crate::error::Result;
 use crate::kernels::cpu_tensor::CpuF32;
-use crate::kernels::gemm::matrix::HalfRows;
+use crate::kernels::gemm::matrix::HalfSource;
 use crate::kernels::gemm::packed::{self, PackedWeight};
 use crate::kernels::gemm::WeightRef;
 use crate::weights::quantized::QuantWeight;
@@ -14,7 +14,8 @@ use crate::weights::quantized::QuantWeight;
 /// The `(in, out)` form of a `(out, in)` checkpoint weight (the matrix `x W^T` multiplies
 /// by), stored as:
 /// - packed panels on a CPU with AVX-512 or AVX2 + FMA in f32 (the fused path's micro-kernels
-///   stream them without repacking on every call; the explicit path unpacks them);
+///   stream them without repacking on every call; the explicit path unpacks them), or, for
+///   a half-precision checkpoint, its mapped rows until a long input packs them;
 /// - a contiguous `(in, out)` tensor on other CPUs (the matrix multiply reads it without
 ///   repacking), or the transposed view of the `(out, in)` tensor on other devices.
 ///
@@ -45,11 +46,12 @@ impl StoredWeight {
         Ok(Self::Tensor(t.contiguous()?))
     }
 
-    /// Packs half-precision `(out_i, in)` matrices stacked along their outputs straight from
-    /// their bytes (`splits` as for [`StoredWeight::new`]); `Ok(None)` on a CPU without the
-    /// packed kernels, where the caller loads tensors instead.
-    pub fn pack_half(parts: &[HalfRows<'_>], splits: &[usize]) -> Result<Option<Self>> {
-        Ok(PackedWeight::pack_half_rows(parts, splits)?.map(|p| Self::Packed(Arc::new(p))))
+    /// Half-precision `(out_i, in)` matrices stacked along their outputs, read where they are
+    /// stored and packed on first need ([`PackedWeight::from_half`]; `splits` as for
+    /// [`StoredWeight::new`]); `Ok(None)` on a CPU without the packed kernels, where the
+    /// caller loads tensors instead.
+    pub fn from_half(source: Arc<dyn HalfSource>, splits: &[usize]) -> Result<Option<Self>> {
+        Ok(PackedWeight::from_half(source, splits)?.map(|p| Self::Packed(Arc::new(p))))
     }
 
     /// The `(in, out)` matrix as a tensor (a copy when packed or quantized).
@@ -65,7 +67,7 @@ impl StoredWeight {
             Self::Tensor(t) => Ok(t.clone()),
             Self::Packed(p) => {
                 let (k, n) = p.dims();
-                Ok(Tensor::from_vec(p.unpack(), (k, n), &Device::Cpu)?) // (in, out)
+                Ok(Tensor::from_vec(p.unpack()?, (k, n), &Device::Cpu)?) // (in, out)
             }
         }
     }

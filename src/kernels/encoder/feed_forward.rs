@@ -1,7 +1,8 @@
 //! The rest of a BERT layer after its attention, on the CPU kernels (f32):
 //! `h = LN(context + x)`, `y = LN(W2 gelu(W1 h + b1) + b2 + h)`.
 //!
-//! Both weights are packed once at load time ([`PackedWeight`]); the bias and the exact
+//! Both weights are packed once ([`PackedWeight`]: at load time, or on first need for a
+//! half-precision checkpoint's, which short inputs read in place); the bias and the exact
 //! GELU are applied by each task to the block it has just computed, and the residual adds
 //! are fused into the LayerNorms ([`add_layer_norm_in_place`]): three passes over memory
 //! instead of candle's eight ops, each allocating its result.

@@ -43,6 +43,14 @@ impl HalfRows<'_> {
     }
 }
 
+/// Half-precision `(out_i, in)` matrices stacked along their outputs that stay where they are
+/// stored (a checkpoint's file map): the kernels borrow them again on each use instead of
+/// holding a copy.
+pub(crate) trait HalfSource: Send + Sync + std::fmt::Debug {
+    /// The matrices, in the order they are stacked.
+    fn parts(&self) -> Result<Vec<HalfRows<'_>>>;
+}
+
 /// A read-only `(rows, cols)` matrix whose element `(i, j)` is `data[offset + i * rs + j * cs]`.
 #[derive(Debug, Clone, Copy)]
 pub(crate) struct MatRef<'a> {

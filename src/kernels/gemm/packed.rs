@@ -1,4 +1,4 @@
-//! `x W + b` with `W` packed once at load time, for the projections of the CPU fast path.
+//! `x W + b` with `W` packed once, for the projections of the CPU fast path.
 //!
 //! A general matrix multiply repacks its right-hand side on every call; a layer's weights
 //! never change, so they are packed once into panels of 48 output columns, each stored
@@ -9,17 +9,28 @@
 //!
 //! Packing needs AVX-512F or AVX2 + FMA at run time; [`PackedWeight::pack`] returns `None`
 //! elsewhere and callers keep the plain matrix (the `gemm` crate path).
+//!
+//! A weight given as half-precision rows where a checkpoint is mapped
+//! ([`PackedWeight::from_half`]) is packed on its first product of more than
+//! [`half_rows_product::MOST_ROWS`] rows; shorter inputs read the rows in place
+//! ([`half_rows_product`]), so a model that only ever sees short inputs never allocates its
+//! panels (most of its load time, and most of its memory).
 
 use rayon::prelude::*;
 
 use crate::error::{Error, Result};
 use crate::kernels::activation::gelu_erf_in_place;
 use crate::kernels::gemm::aligned::AlignedFloats;
-use crate::kernels::gemm::matrix::{HalfRows, MatRef};
+use std::sync::{Arc, OnceLock};
+
+use crate::kernels::gemm::half_rows_product;
+use crate::kernels::gemm::matrix::{HalfRows, HalfSource, MatRef};
 use crate::kernels::gemm::microkernel::{self, panel_product, Start};
 
 /// Output columns per panel (3 AVX-512 registers, or two 4 x 24 AVX2 tiles).
 const PANEL: usize = 48;
+/// Bytes per memory page (the smallest, x86-64's and most others').
+const PAGE: usize = 4096;
 /// Rows per task: a block of activations stays in L2 while the panels stream by (128
 /// measured faster than 256 and 64, see docs/performance.md).
 const MB: usize = 128;
@@ -41,8 +52,11 @@ pub(crate) struct PackedWeight {
     k: usize,
     n: usize,
     panels: Vec<Panel>,
-    /// Panel `p` at `p * k * PANEL`, `(k, PANEL)` row-major, on a cache-line boundary.
-    data: AlignedFloats,
+    /// Panel `p` at `p * k * PANEL`, `(k, PANEL)` row-major, on a cache-line boundary: set
+    /// when packed from f32, on first need when packed from `half`.
+    data: OnceLock<AlignedFloats>,
+    /// The half-precision rows the panels are packed from, where they are stored.
+    half: Option<Arc<dyn HalfSource>>,
     /// Column ranges `[start, end)` (from `splits`), each with its first and end panel.
     segments: Vec<(usize, usize, usize, usize)>,
 }
@@ -56,10 +70,11 @@ impl PackedWeight {
     /// Packs `w` `(k, n)`; `splits` are column indices (increasing, inside `0..n`) where
     /// segments start. `None` when the CPU has neither AVX-512 nor AVX2 + FMA.
     pub fn pack(w: MatRef<'_>, splits: &[usize]) -> Option<Self> {
-        let mut packed = Self::empty(w.rows, w.cols, splits)?;
+        let packed = Self::empty(w.rows, w.cols, splits, None)?;
         let k = packed.k;
+        let mut data = AlignedFloats::zeroed(packed.panels.len() * k * PANEL);
         for (p, panel) in packed.panels.iter().enumerate() {
-            let dst = &mut packed.data[p * k * PANEL..(p + 1) * k * PANEL];
+            let dst = &mut data[p * k * PANEL..(p + 1) * k * PANEL];
             // Read along the source's contiguous side (a checkpoint's `(out, in)` rows, seen
             // through the transposed view, are the panel's columns).
             if w.rs == 1 {
@@ -77,46 +92,63 @@ impl PackedWeight {
                 }
             }
         }
+        let _ = packed.data.set(data);
         Some(packed)
     }
 
-    /// Packs the `(in, out)` form of half-precision `(out, in)` matrices stacked along their
-    /// outputs (a checkpoint's Q, K and V rows, read where the file is mapped), widening each
-    /// value exactly: no f32 copy of the matrices is made. `Ok(None)` when the CPU has
-    /// neither AVX-512 nor AVX2 + FMA; an error when the parts' input widths differ or their
-    /// bytes do not hold them.
-    pub fn pack_half_rows(parts: &[HalfRows<'_>], splits: &[usize]) -> Result<Option<Self>> {
-        let k = parts.first().map_or(0, |p| p.cols);
-        let mut rows = Vec::new(); // (part, row) of each output column
-        for (i, part) in parts.iter().enumerate() {
-            if part.cols != k || part.bytes.len() != 2 * part.rows * part.cols {
-                return Err(Error::Kernel(format!(
-                    "half matrix {i} of {}x{} in {} bytes, packed with input width {k}",
-                    part.rows,
-                    part.cols,
-                    part.bytes.len()
-                )));
-            }
-            rows.extend((0..part.rows).map(|r| (i, r)));
-        }
-        let Some(mut packed) = Self::empty(k, rows.len(), splits) else {
-            return Ok(None);
-        };
-        let mut widened = vec![0f32; k];
-        for (p, panel) in packed.panels.iter().enumerate() {
-            let dst = &mut packed.data[p * k * PANEL..(p + 1) * k * PANEL];
-            for (j, &(part, r)) in rows[panel.col..panel.col + panel.width].iter().enumerate() {
-                parts[part].widen_row(r, &mut widened);
-                for (kk, &v) in widened.iter().enumerate() {
-                    dst[kk * PANEL + j] = v;
-                }
-            }
-        }
-        Ok(Some(packed))
+    /// The `(in, out)` form of half-precision `(out, in)` matrices stacked along their
+    /// outputs (a checkpoint's Q, K and V rows, where its file is mapped), packed on first
+    /// need, each value widened exactly (no f32 copy of the matrices is made). `Ok(None)`
+    /// when the CPU has neither AVX-512 nor AVX2 + FMA; an error when the parts' input
+    /// widths differ or their bytes do not hold them.
+    pub fn from_half(source: Arc<dyn HalfSource>, splits: &[usize]) -> Result<Option<Self>> {
+        let parts = source.parts()?;
+        let (k, n) = half_dims(&parts)?;
+        // One byte of each page read now, while the model loads (layers in parallel, beside
+        // the tokenizer), rather than a page fault per page in the first product.
+        let touched = parts.iter().fold(0u8, |acc, p| {
+            p.bytes.iter().step_by(PAGE).fold(acc, |a, &b| a ^ b)
+        });
+        std::hint::black_box(touched);
+        Ok(Self::empty(k, n, splits, Some(source)))
     }
 
-    /// Zeroed panels for a `(k, n)` weight split at `splits`.
-    fn empty(k: usize, n: usize, splits: &[usize]) -> Option<Self> {
+    /// The panels, packed from the half-precision rows on the first call for such a weight.
+    fn panel_data(&self) -> Result<&AlignedFloats> {
+        if let Some(data) = self.data.get() {
+            return Ok(data);
+        }
+        let Some(source) = &self.half else {
+            return Err(Error::Kernel("a packed weight without its panels".into()));
+        };
+        let parts = source.parts()?;
+        let rows = stacked_rows(&parts, self.k, self.n)?;
+        let k = self.k;
+        let mut data = AlignedFloats::zeroed(self.panels.len() * k * PANEL);
+        // The panels are filled on the pool: this runs inside a forward, not beside the
+        // other layers' loading.
+        data.par_chunks_mut((k * PANEL).max(1))
+            .zip(&self.panels)
+            .for_each(|(dst, panel)| {
+                let mut widened = vec![0f32; k];
+                for (j, &(part, r)) in rows[panel.col..panel.col + panel.width].iter().enumerate() {
+                    parts[part].widen_row(r, &mut widened);
+                    for (kk, &v) in widened.iter().enumerate() {
+                        dst[kk * PANEL + j] = v;
+                    }
+                }
+            });
+        // Two threads racing here both pack; the first one's panels are kept.
+        Ok(self.data.get_or_init(|| data))
+    }
+
+    /// Panels for a `(k, n)` weight split at `splits`, their data not yet filled.
+    fn empty(
+        k: usize,
+        n: usize,
+        splits: &[usize],
+        half: Option<Arc<dyn HalfSource>>,
+    ) -> Option<Self> {
         if !available() {
             return None;
         }
@@ -138,7 +170,8 @@ impl PackedWeight {
         Some(Self {
             k,
             n,
-            data: AlignedFloats::zeroed(panels.len() * k * PANEL),
+            data: OnceLock::new(),
+            half,
             panels,
             segments,
         })
@@ -154,17 +187,36 @@ impl PackedWeight {
         (self.k, self.n)
     }
 
-    /// The weight back as a `(k, n)` row-major matrix.
-    pub fn unpack(&self) -> Vec<f32> {
+    /// The weight back as a `(k, n)` row-major matrix (from the half-precision rows when
+    /// they are not packed yet: unpacking does not pack).
+    pub fn unpack(&self) -> Result<Vec<f32>> {
         let mut out = vec![0f32; self.k * self.n];
+        let data = match (self.data.get(), &self.half) {
+            (Some(data), _) => data,
+            (None, Some(source)) => {
+                let parts = source.parts()?;
+                let mut widened = vec![0f32; self.k];
+                for (c, (part, r)) in stacked_rows(&parts, self.k, self.n)?
+                    .into_iter()
+                    .enumerate()
+                {
+                    parts[part].widen_row(r, &mut widened);
+                    for (kk, &v) in widened.iter().enumerate() {
+                        out[kk * self.n + c] = v;
+                    }
+                }
+                return Ok(out);
+            }
+            (None, None) => self.panel_data()?,
+        };
         for (p, panel) in self.panels.iter().enumerate() {
-            let src = &self.data[p * self.k * PANEL..(p + 1) * self.k * PANEL];
+            let src = &data[p * self.k * PANEL..(p + 1) * self.k * PANEL];
             for kk in 0..self.k {
                 out[kk * self.n + panel.col..kk * self.n + panel.col + panel.width]
                     .copy_from_slice(&src[kk * PANEL..kk * PANEL + panel.width]);
             }
         }
-        out
+        Ok(out)
     }
 
     /// Columns `[start, end)` of segments `first..end` (as given by the `splits`).
@@ -182,6 +234,38 @@ impl PackedWeight {
             ))),
         }
     }
+}
+
+/// `(k, n)` = `(in, sum of outs)` of half-precision parts, checked to share their input width
+/// and to be held by their bytes.
+fn half_dims(parts: &[HalfRows<'_>]) -> Result<(usize, usize)> {
+    let k = parts.first().map_or(0, |p| p.cols);
+    for (i, part) in parts.iter().enumerate() {
+        if part.cols != k || part.bytes.len() != 2 * part.rows * part.cols {
+            return Err(Error::Kernel(format!(
+                "half matrix {i} of {}x{} in {} bytes, packed with input width {k}",
+                part.rows,
+                part.cols,
+                part.bytes.len()
+            )));
+        }
+    }
+    Ok((k, parts.iter().map(|p| p.rows).sum()))
+}
+
+/// `(part, row)` of each of the `n` output columns of parts stacked along their outputs,
+/// checked to still be the `(k, n)` weight they were.
+fn stacked_rows(parts: &[HalfRows<'_>], k: usize, n: usize) -> Result<Vec<(usize, usize)>> {
+    if half_dims(parts)? != (k, n) {
+        return Err(Error::Kernel(format!(
+            "half-precision rows no longer a ({k}, {n}) weight"
+        )));
+    }
+    Ok(parts
+        .iter()
+        .enumerate()
+        .flat_map(|(i, p)| (0..p.rows).map(move |r| (i, r)))
+        .collect())
 }
 
 /// Raw output pointer shared by the tasks (each writes its own rows x panel columns).
@@ -247,6 +331,17 @@ pub(crate) fn linear_then(
             )));
         }
     }
+    let finish = |row: &mut [f32]| {
+        if epilogue == Epilogue::GeluErf {
+            gelu_erf_in_place(row);
+        }
+    };
+    if let (None, Some(source), true) = (w.data.get(), &w.half, m <= half_rows_product::MOST_ROWS) {
+        if let Some(out) = half_rows_product::linear(x, &source.parts()?, c0..c1, bias, &finish)? {
+            return Ok(out);
+        }
+    }
+    let data = w.panel_data()?;
     let p0 = w.segments[segments.start].2;
     let p1 = w.segments[segments.end - 1].3;
     let mut out: Vec<f32> = Vec::with_capacity(m * cols);
@@ -271,7 +366,7 @@ pub(crate) fn linear_then(
                 k,
                 x.ptr().add(r0 * lda),
                 lda,
-                w.data.as_ptr().add(p * k * PANEL),
+                data.as_ptr().add(p * k * PANEL),
                 panel.width,
                 ptr.get().add(r0 * cols + col),
                 cols,
@@ -281,13 +376,13 @@ pub(crate) fn linear_then(
                 },
             )
         }
-        if epilogue == Epilogue::GeluErf {
+        if epilogue != Epilogue::None {
             for r in r0..r0 + rows {
                 // SAFETY: the same block of the output this task just wrote, and only it.
                 let block = unsafe {
                     std::slice::from_raw_parts_mut(ptr.get().add(r * cols + col), panel.width)
                 };
-                gelu_erf_in_place(block);
+                finish(block);
             }
         }
     };
@@ -309,22 +404,50 @@ mod tests {
 
     use crate::kernels::test_values as values;
 
-    /// Half-precision `(out, in)` parts stacked along their outputs pack to the same panels
-    /// as their exact f32 values, transposed and concatenated (f16 and bf16, a split inside
-    /// a panel, parts that end inside a panel).
+    /// Half-precision matrices held by the test, as a checkpoint's map would hold them.
+    #[derive(Debug)]
+    struct OwnedHalf {
+        bytes: Vec<Vec<u8>>,
+        rows: Vec<usize>,
+        cols: usize,
+        bf16: bool,
+    }
+
+    impl HalfSource for OwnedHalf {
+        fn parts(&self) -> Result<Vec<HalfRows<'_>>> {
+            Ok(self
+                .bytes
+                .iter()
+                .zip(&self.rows)
+                .map(|(b, &rows)| HalfRows {
+                    bytes: b,
+                    rows,
+                    cols: self.cols,
+                    bf16: self.bf16,
+                })
+                .collect())
+        }
+    }
+
+    /// Half-precision `(out, in)` parts stacked along their outputs give the products and the
+    /// matrix of their exact f32 values, transposed and concatenated (f16 and bf16, a split
+    /// inside a panel, parts that end inside a panel): read in place for a few rows, packed
+    /// on the first longer input into the same panels as the f32 values.
     #[test]
-    fn half_rows_pack_like_their_f32_values() -> Result<()> {
+    fn half_rows_multiply_like_their_f32_values() -> Result<()> {
         if !available() {
             return Ok(());
         }
         let k = 70;
         let outs = [37usize, 20, 61];
+        let n: usize = outs.iter().sum();
+        let bias = values(n, 4);
         for bf16 in [false, true] {
             let mut bytes = Vec::new();
             let mut f32_rows = Vec::new(); // (out, in) of all parts, exact values
-            for (i, &n) in outs.iter().enumerate() {
-                let v = values(n * k, 10 + i);
-                let mut b = Vec::with_capacity(2 * n * k);
+            for (i, &rows) in outs.iter().enumerate() {
+                let v = values(rows * k, 10 + i);
+                let mut b = Vec::with_capacity(2 * rows * k);
                 for x in v {
                     let bits = if bf16 {
                         half::bf16::from_f32(x).to_bits()
@@ -340,32 +463,48 @@ mod tests {
                 }
                 bytes.push(b);
             }
-            let parts: Vec<HalfRows<'_>> = bytes
-                .iter()
-                .zip(outs)
-                .map(|(b, rows)| HalfRows {
-                    bytes: b,
-                    rows,
-                    cols: k,
-                    bf16,
-                })
-                .collect();
-            let n: usize = outs.iter().sum();
-            let half = PackedWeight::pack_half_rows(&parts, &[outs[0]])?
+            let source = OwnedHalf {
+                bytes,
+                rows: outs.to_vec(),
+                cols: k,
+                bf16,
+            };
+            let half = PackedWeight::from_half(Arc::new(source), &[outs[0]])?
                 .ok_or_else(|| Error::Kernel("no micro-kernel on this CPU".into()))?;
             let full = PackedWeight::pack(MatRef::row_major(&f32_rows, n, k)?.t(), &[outs[0]])
                 .ok_or_else(|| Error::Kernel("no micro-kernel on this CPU".into()))?;
-            assert_eq!(half.unpack(), full.unpack(), "bf16 {bf16}");
             assert_eq!(half.segment_count(), 2);
-            assert_eq!(&half.data[..], &full.data[..]);
+            assert_eq!(half.unpack()?, full.unpack()?, "bf16 {bf16}");
+            assert!(half.data.get().is_none(), "unpacking packed the panels");
+            for (m, segments) in [
+                (3, 0..2),
+                (9, 1..2),
+                (half_rows_product::MOST_ROWS + 1, 0..2),
+            ] {
+                let xs = values(m * k, 5);
+                let x = MatRef::row_major(&xs, m, k)?;
+                let got = linear(x, &half, segments.clone(), Some(&bias))?;
+                let want = linear(x, &full, segments.clone(), Some(&bias))?;
+                for (g, w) in got.iter().zip(&want) {
+                    // Sums in another order: a few ulp of the larger terms.
+                    let tol = 2e-6 * w.abs().max(1.0);
+                    assert!((g - w).abs() <= tol, "bf16 {bf16} m {m}: {g} vs {w}");
+                }
+                // Short inputs never pack (where they can be read in place); longer ones do.
+                let packed = m > half_rows_product::MOST_ROWS || !half_rows_product::available();
+                assert_eq!(half.data.get().is_some(), packed, "m {m}");
+            }
+            let data = half.data.get().map(|d| d.to_vec());
+            assert_eq!(data.as_deref(), full.data.get().map(|d| &d[..]));
+            assert_eq!(half.unpack()?, full.unpack()?, "bf16 {bf16}, packed");
         }
-        let short = [HalfRows {
-            bytes: &[0u8; 10],
-            rows: 2,
+        let short = OwnedHalf {
+            bytes: vec![vec![0u8; 10]],
+            rows: vec![2],
             cols: 3,
             bf16: false,
-        }];
-        assert!(PackedWeight::pack_half_rows(&short, &[]).is_err());
+        };
+        assert!(PackedWeight::from_half(Arc::new(short), &[]).is_err());
         Ok(())
     }
 
@@ -388,7 +527,7 @@ mod tests {
             let bias = values(n, 3);
             let packed = PackedWeight::pack(MatRef::row_major(&w, k, n)?, &[split])
                 .ok_or_else(|| Error::Kernel("no micro-kernel on this CPU".into()))?;
-            assert_eq!(packed.unpack(), w);
+            assert_eq!(packed.unpack()?, w);
             let xm = MatRef::row_major(&x, m, k)?;
             let nseg = if split == 0 || split == n { 1 } else { 2 };
             let all = linear(xm, &packed, 0..nseg, Some(&bias))?;
