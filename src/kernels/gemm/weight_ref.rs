@@ -9,6 +9,6 @@ use crate::kernels::gemm::packed::PackedWeight;
 pub(crate) enum WeightRef<'a> {
     /// `(in, out)` f32 on the CPU.
     Tensor(&'a Tensor),
-    /// Micro-kernel panels packed at load time.
+    /// Micro-kernel panels (packed at load, or on first need from mapped half-precision rows).
     Packed(&'a PackedWeight),
 }
