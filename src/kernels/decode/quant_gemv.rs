@@ -188,6 +188,20 @@ mod tests {
                     );
                 }
                 assert!(row_dot(ty, &bytes[..row_bytes - 1], &x).is_none());
+                // Each weight exactly as gguf-py makes it: the dot with a unit vector is that
+                // one value, with no rounding of its own.
+                let mut e = vec![0f32; cols];
+                for r in 0..2 {
+                    let row = &bytes[r * row_bytes..(r + 1) * row_bytes];
+                    for k in 0..cols {
+                        e[k] = 1.0;
+                        let got = row_dot(ty, row, &e)
+                            .ok_or_else(|| candle_core::Error::Msg(format!("{ty}: no kernel")))?;
+                        e[k] = 0.0;
+                        let want = deq[r * cols + k];
+                        assert!(got == want, "{ty} ({r}, {k}): {got} vs {want}");
+                    }
+                }
             }
         }
         Ok(())

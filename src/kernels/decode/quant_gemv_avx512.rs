@@ -1,8 +1,10 @@
 //! AVX-512 dot products of one GGUF weight row with `x`, for the 32-value block types
 //! (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0) and the K-quants of Q4_K_M files (Q4_K, Q6_K): each block
 //! is unpacked in registers, its values made exactly as gguf-py makes them (`d * q + m` as a
-//! product then a sum, two roundings, never one fused step), and multiplied into f32
-//! accumulators as they go, so the weight is read once and never written out.
+//! product then a sum), and multiplied into f32 accumulators as they go, so the weight is
+//! read once and never written out. The 4- and 5-bit types (and Q4_K's groups) look their
+//! values up in a per-block table of the 16 or 32 a block can hold (`vpermps`); where the
+//! product `d * q` is exact in f32 the table's one fused `d * q + m` is the same value.
 
 // The AVX-512 intrinsics are stable since Rust 1.89, above the `rust-version` the manifest
 // declares; candle-core 0.11 itself needs 1.89 on x86-64 (as in `microkernel.rs`).
@@ -69,66 +71,45 @@ unsafe fn row_dot_avx512(ty: QuantType, row: &[u8], x: &[f32]) -> f32 {
     }
 }
 
-/// `acc += (dl * q - ml) * x` for 16 unsigned byte values `q` (gguf-py's Q4_K / Q2_K form:
-/// the product, then the difference).
-#[cfg(target_arch = "x86_64")]
-#[inline]
-#[target_feature(enable = "avx512f")]
-unsafe fn fma_scaled_min(q: __m128i, dl: __m512, ml: __m512, x: *const f32, acc: __m512) -> __m512 {
-    let w = _mm512_sub_ps(
-        _mm512_mul_ps(dl, _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(q))),
-        ml,
-    );
-    _mm512_fmadd_ps(w, _mm512_loadu_ps(x), acc)
-}
-
 /// Q4_K rows: `{ f16 d; f16 dmin; u8 scales[12]; u8 qs[128] }` per 256 values; group `g`
 /// is `d * sc_g * q - dmin * m_g` over the low (even `g`) or high (odd) nibbles of
-/// `qs[32 (g / 2)..][..32]`.
+/// `qs[32 (g / 2)..][..32]`. Each group looks its values up in a table of the 16 it can
+/// hold: `dl = d * sc_g` (11 by 6 significant bits) and `dl * q` (17 by 4) are exact in f32,
+/// so one fused `dl * q - ml` rounds as gguf-py's product then difference.
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx512f")]
 unsafe fn dot_q4_k(row: &[u8], x: &[f32]) -> f32 {
     let (bp, xp) = (row.as_ptr(), x.as_ptr());
     let mut acc = [_mm512_setzero_ps(); 4];
-    let nibbles = _mm256_set1_epi8(0x0F);
+    let iota = iota16();
     for blk in 0..x.len() / 256 {
         let b = bp.add(blk * 144);
         let (d, dmin) = (half_at_ptr(b), half_at_ptr(b.add(2)));
         let sc = std::slice::from_raw_parts(b.add(4), 12);
         for p in 0..4 {
-            let qs = _mm256_loadu_si256(b.add(16 + 32 * p) as *const __m256i);
-            let (ql, qh) = (
-                _mm256_and_si256(qs, nibbles),
-                _mm256_and_si256(_mm256_srli_epi16(qs, 4), nibbles),
-            );
+            let qs = b.add(16 + 32 * p) as *const __m128i;
             let xg = xp.add(blk * 256 + 64 * p);
             // Group 2p: the low nibbles; group 2p + 1: the high ones.
             let (s0, m0) = scale_min_k4(2 * p, sc);
             let (s1, m1) = scale_min_k4(2 * p + 1, sc);
-            let (dl0, ml0) = (
+            let t0 = _mm512_fmsub_ps(
                 _mm512_set1_ps(d * s0 as f32),
+                iota,
                 _mm512_set1_ps(dmin * m0 as f32),
             );
-            let (dl1, ml1) = (
+            let t1 = _mm512_fmsub_ps(
                 _mm512_set1_ps(d * s1 as f32),
+                iota,
                 _mm512_set1_ps(dmin * m1 as f32),
             );
-            acc[0] = fma_scaled_min(_mm256_castsi256_si128(ql), dl0, ml0, xg, acc[0]);
-            acc[1] = fma_scaled_min(
-                _mm256_extracti128_si256(ql, 1),
-                dl0,
-                ml0,
-                xg.add(16),
-                acc[1],
-            );
-            acc[2] = fma_scaled_min(_mm256_castsi256_si128(qh), dl1, ml1, xg.add(32), acc[2]);
-            acc[3] = fma_scaled_min(
-                _mm256_extracti128_si256(qh, 1),
-                dl1,
-                ml1,
-                xg.add(48),
-                acc[3],
-            );
+            for h in 0..2 {
+                // Lane j: byte 16 h + j, its low nibble in group 2p, its high one in 2p + 1.
+                let bytes = _mm512_cvtepu8_epi32(_mm_loadu_si128(qs.add(h)));
+                let lo = _mm512_permutexvar_ps(bytes, t0);
+                let hi = _mm512_permutexvar_ps(_mm512_srli_epi32::<4>(bytes), t1);
+                acc[h] = _mm512_fmadd_ps(lo, _mm512_loadu_ps(xg.add(16 * h)), acc[h]);
+                acc[2 + h] = _mm512_fmadd_ps(hi, _mm512_loadu_ps(xg.add(32 + 16 * h)), acc[2 + h]);
+            }
         }
     }
     let sum = _mm512_add_ps(_mm512_add_ps(acc[0], acc[1]), _mm512_add_ps(acc[2], acc[3]));
@@ -226,8 +207,38 @@ unsafe fn half_at_ptr(p: *const u8) -> f32 {
     _mm_cvtss_f32(_mm_cvtph_ps(_mm_cvtsi32_si128(i32::from(bits))))
 }
 
+/// `0, 1, ..., 15` as f32 lanes.
+#[cfg(target_arch = "x86_64")]
+#[inline]
+#[target_feature(enable = "avx512f")]
+unsafe fn iota16() -> __m512 {
+    _mm512_setr_ps(
+        0.0, 1.0, 2.0, 3.0, 4.0, 5.0, 6.0, 7.0, 8.0, 9.0, 10.0, 11.0, 12.0, 13.0, 14.0, 15.0,
+    )
+}
+
+/// The two f16 at `p` (a block's `d`, then its `m` or nothing) as f32 lanes broadcast:
+/// `(d, m)`.
+#[cfg(target_arch = "x86_64")]
+#[inline]
+#[target_feature(enable = "avx512f")]
+unsafe fn halves_at_ptr(p: *const u8) -> (__m512, __m512) {
+    let bits = i32::from_le_bytes([*p, *p.add(1), *p.add(2), *p.add(3)]);
+    let dm = _mm_cvtph_ps(_mm_cvtsi32_si128(bits));
+    (
+        _mm512_broadcastss_ps(dm),
+        _mm512_broadcastss_ps(_mm_movehdup_ps(dm)),
+    )
+}
+
 /// The 32 values of the block at `b` as two halves of 16 lanes (values `j` and `16 + j`),
 /// each made as gguf-py makes it: `q * d`, `d * (q - 8)`, `d * q + m`, `d * (q - 16)`.
+///
+/// The 4- and 5-bit types look their values up in a table of the 16 (or 32) a block can
+/// hold, made once per block: `d * q` is exact in f32 (an f16 `d` has 11 significant bits,
+/// `q` at most 5), so the table's one fused `d * q + m` rounds exactly as gguf-py's product
+/// then sum. A 32-bit lane holding a whole byte of nibbles indexes the table by its low 4
+/// bits (`vpermps` ignores the rest), so the low nibbles need no mask.
 ///
 /// # Safety
 /// AVX-512F; `b` points at a whole block of kind `K`.
@@ -235,8 +246,8 @@ unsafe fn half_at_ptr(p: *const u8) -> f32 {
 #[inline]
 #[target_feature(enable = "avx512f")]
 unsafe fn block_values<const K: u8>(b: *const u8) -> (__m512, __m512) {
-    let d = _mm512_set1_ps(half_at_ptr(b));
     if K == Q8_0 {
+        let d = _mm512_set1_ps(half_at_ptr(b));
         let q = b.add(2) as *const __m128i;
         let lo = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(q)));
         let hi = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(q.add(1))));
@@ -248,30 +259,60 @@ unsafe fn block_values<const K: u8>(b: *const u8) -> (__m512, __m512) {
         Q5_0 => 6,
         _ => 8,
     };
-    let nibbles = _mm_set1_epi8(0x0F);
-    let v = _mm_loadu_si128(b.add(qs_at) as *const __m128i);
-    let mut lo = _mm512_cvtepu8_epi32(_mm_and_si128(v, nibbles));
-    let mut hi = _mm512_cvtepu8_epi32(_mm_and_si128(_mm_srli_epi16(v, 4), nibbles));
-    if K == Q5_0 || K == Q5_1 {
-        // The fifth bits: bit j of `qh` for value j.
-        let at = if K == Q5_0 { 2 } else { 4 };
-        let qh = u32::from_le_bytes([*b.add(at), *b.add(at + 1), *b.add(at + 2), *b.add(at + 3)]);
-        let sixteen = _mm512_set1_epi32(16);
-        lo = _mm512_mask_add_epi32(lo, qh as u16, lo, sixteen);
-        hi = _mm512_mask_add_epi32(hi, (qh >> 16) as u16, hi, sixteen);
+    // Lane j: byte j, value j in its low nibble and value 16 + j in its high one.
+    let bytes = _mm512_cvtepu8_epi32(_mm_loadu_si128(b.add(qs_at) as *const __m128i));
+    let (lo, hi) = (bytes, _mm512_srli_epi32::<4>(bytes));
+    let (d, m) = halves_at_ptr(b);
+    let iota = iota16();
+    match K {
+        Q4_0 => {
+            let table = _mm512_mul_ps(d, _mm512_sub_ps(iota, _mm512_set1_ps(8.0)));
+            (
+                _mm512_permutexvar_ps(lo, table),
+                _mm512_permutexvar_ps(hi, table),
+            )
+        }
+        Q4_1 => {
+            let table = _mm512_fmadd_ps(d, iota, m);
+            (
+                _mm512_permutexvar_ps(lo, table),
+                _mm512_permutexvar_ps(hi, table),
+            )
+        }
+        Q5_0 => {
+            // `d * (q - 16)` for the low four bits, plus `16 d` where the fifth bit (bit j of
+            // `qh` for value j) is set: both terms and their sum `d * q'` are exact.
+            let qh = u32::from_le_bytes([*b.add(2), *b.add(3), *b.add(4), *b.add(5)]);
+            let table = _mm512_mul_ps(d, _mm512_sub_ps(iota, _mm512_set1_ps(16.0)));
+            let d16 = _mm512_mul_ps(d, _mm512_set1_ps(16.0));
+            let (lo, hi) = (
+                _mm512_permutexvar_ps(lo, table),
+                _mm512_permutexvar_ps(hi, table),
+            );
+            (
+                _mm512_mask_add_ps(lo, qh as u16, lo, d16),
+                _mm512_mask_add_ps(hi, (qh >> 16) as u16, hi, d16),
+            )
+        }
+        _ => {
+            // Q5_1: the fifth bits (bit j of `qh` for value j) as bit 4 of the index into
+            // the 32 values `d * q + m` (a sum like Q5_0's would round twice).
+            let qh = u32::from_le_bytes([*b.add(4), *b.add(5), *b.add(6), *b.add(7)]);
+            let (nibble, sixteen) = (_mm512_set1_epi32(15), _mm512_set1_epi32(16));
+            let (lo, hi) = (_mm512_and_si512(lo, nibble), _mm512_and_si512(hi, nibble));
+            let lo = _mm512_mask_or_epi32(lo, qh as u16, lo, sixteen);
+            let hi = _mm512_mask_or_epi32(hi, (qh >> 16) as u16, hi, sixteen);
+            // Entries 0..16 and 16..32 of the table.
+            let (t0, t1) = (
+                _mm512_fmadd_ps(d, iota, m),
+                _mm512_fmadd_ps(d, _mm512_add_ps(iota, _mm512_set1_ps(16.0)), m),
+            );
+            (
+                _mm512_permutex2var_ps(t0, lo, t1),
+                _mm512_permutex2var_ps(t0, hi, t1),
+            )
+        }
     }
-    if K == Q4_0 || K == Q5_0 {
-        let o = _mm512_set1_epi32(if K == Q4_0 { 8 } else { 16 });
-        lo = _mm512_sub_epi32(lo, o);
-        hi = _mm512_sub_epi32(hi, o);
-    }
-    let lo = _mm512_mul_ps(d, _mm512_cvtepi32_ps(lo));
-    let hi = _mm512_mul_ps(d, _mm512_cvtepi32_ps(hi));
-    if K == Q4_1 || K == Q5_1 {
-        let m = _mm512_set1_ps(half_at_ptr(b.add(2)));
-        return (_mm512_add_ps(lo, m), _mm512_add_ps(hi, m));
-    }
-    (lo, hi)
 }
 
 #[cfg(all(test, target_arch = "x86_64"))]
