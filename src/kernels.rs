@@ -26,6 +26,7 @@ pub(crate) mod cpu_tensor;
 pub(crate) mod decode;
 pub(crate) mod encoder;
 pub(crate) mod gemm;
+pub(crate) mod pool;
 pub(crate) mod quant;
 pub(crate) mod scratch;
 pub(crate) mod simd;

@@ -86,9 +86,12 @@
 //!
 //! CPU kernels run on rayon's global pool (`RAYON_NUM_THREADS` threads). A call made from
 //! outside the pool is handed over to it while the caller sleeps (~10-15 µs per call,
-//! measured on a 2-core VM: ~4% of a sentence-scale layer). A latency-bound program that
-//! calls from one thread can make that thread one of the pool's workers once at start-up,
-//! as OpenMP does with its main thread, so that calls start and end on it:
+//! measured on a 2-core VM: ~4% of a sentence-scale layer). The models' forward calls
+//! (`BertEncoder::forward`, `LlamaModel::forward` and `forward_last`) move onto the pool
+//! themselves, once per call; a layer called on its own pays it per kernel. A
+//! latency-bound program that calls from one thread can make that thread one of the pool's
+//! workers once at start-up, as OpenMP does with its main thread, so that calls start and
+//! end on it:
 //!
 //! ```no_run
 //! # fn main() -> Result<(), rayon::ThreadPoolBuildError> {

@@ -20,6 +20,7 @@ use crate::kernels::encoder::feed_forward::{
 };
 use crate::kernels::gemm::matrix::HalfRows;
 use crate::kernels::gemm::packed::PackedWeight;
+use crate::kernels::pool::in_pool;
 use crate::models::trace::{graph_input, probe, ForwardTrace, TraceOptions};
 use crate::weights::checkpoint::Checkpoint;
 use crate::weights::config::{AttentionConfig, HfConfig};
@@ -652,6 +653,18 @@ impl BertEncoder {
     /// so they differ from transformers' (as with text-embeddings-inference's packed rows).
     /// The real tokens' rows do not depend on the padding.
     pub fn forward(
+        &self,
+        input_ids: &Tensor,
+        token_type_ids: Option<&Tensor>,
+        attention_mask: Option<&Tensor>,
+        output_attentions: bool,
+    ) -> Result<EncoderOutput> {
+        in_pool(|| {
+            self.forward_in_pool(input_ids, token_type_ids, attention_mask, output_attentions)
+        })
+    }
+
+    fn forward_in_pool(
         &self,
         input_ids: &Tensor,
         token_type_ids: Option<&Tensor>,

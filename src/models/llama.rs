@@ -19,6 +19,7 @@ use crate::attention::sdpa::{scaled_dot_product_attention, SdpaOptions};
 use crate::error::{Error, Result};
 use crate::kernels::decode::gemv::{one_row_gated, one_row_linear};
 use crate::kernels::decode::widen;
+use crate::kernels::pool::in_pool;
 use crate::models::kv_cache::KvCache;
 use crate::models::rope::{RopeConfig, RopeLayout, RopeScaling, RotaryEmbedding};
 use crate::models::trace::{graph_input, probe, ForwardTrace, TraceOptions};
@@ -592,8 +593,10 @@ impl LlamaModel {
     /// # Shapes
     /// - `ids`: `(batch, seq)` u32; returns `(batch, seq, vocab)` f32
     pub fn forward(&self, ids: &Tensor, caches: &mut [KvCache]) -> Result<Tensor> {
-        let h = self.hidden_states(ids, caches)?;
-        Ok(self.lm_head.forward(&h)?.to_dtype(DType::F32)?)
+        in_pool(|| {
+            let h = self.hidden_states(ids, caches)?;
+            Ok(self.lm_head.forward(&h)?.to_dtype(DType::F32)?)
+        })
     }
 
     /// The logits of the last position only (what generation needs after a prefill).
@@ -601,10 +604,12 @@ impl LlamaModel {
     /// # Shapes
     /// - `ids`: `(batch, seq)`; returns `(batch, vocab)` f32
     pub fn forward_last(&self, ids: &Tensor, caches: &mut [KvCache]) -> Result<Tensor> {
-        let h = self.hidden_states(ids, caches)?;
-        let (_, t, _) = h.dims3()?;
-        let last = h.narrow(1, t - 1, 1)?.squeeze(1)?; // (b, hidden)
-        Ok(self.lm_head.forward(&last)?.to_dtype(DType::F32)?)
+        in_pool(|| {
+            let h = self.hidden_states(ids, caches)?;
+            let (_, t, _) = h.dims3()?;
+            let last = h.narrow(1, t - 1, 1)?.squeeze(1)?; // (b, hidden)
+            Ok(self.lm_head.forward(&last)?.to_dtype(DType::F32)?)
+        })
     }
 
     fn hidden_states(&self, ids: &Tensor, caches: &mut [KvCache]) -> Result<Tensor> {
