@@ -14,6 +14,8 @@ use candle_nn::Linear;
 use crate::error::{Error, Result};
 use crate::kernels::decode::gemv::output_like;
 use crate::kernels::decode::quant_gemv::quant_gemv;
+use crate::kernels::gemm::matrix::MatRef;
+use crate::kernels::gemm::packed::{self, PackedWeight};
 use crate::kernels::quant::blocks::{self, QuantType};
 use crate::weights::gguf::GgufFile;
 use crate::weights::gguf_layout::unpermuted_order;
@@ -28,7 +30,7 @@ enum Blocks {
 }
 
 /// Up to this many input rows are multiplied on the blocks row by row; more by the weight
-/// dequantized once for the call (a prompt).
+/// dequantized once for the call (a prompt), into packed panels on the CPU.
 const FEW_ROWS: usize = 8;
 
 /// A `(rows, cols)` weight of a block type, in its file.
@@ -162,9 +164,10 @@ impl QuantWeight {
 
     /// `x W^T` for `x` `(..., cols)`; returns `(..., rows)`. A few f32 rows on the CPU go
     /// through this crate's row kernels, on a device the weight was placed on
-    /// ([`QuantWeight::on`]) through candle's quantized kernels; anything else (a prompt, an
-    /// input that tracks gradients: candle's kernels have no backward) multiplies the weight
-    /// dequantized for the call.
+    /// ([`QuantWeight::on`]) through candle's quantized kernels; more f32 rows on the CPU (a
+    /// prompt) by the weight dequantized for the call straight into the micro-kernels'
+    /// panels; anything else (an input that tracks gradients: candle's kernels have no
+    /// backward, another dtype or device) by the weight dequantized as a tensor.
     pub fn forward(&self, x: &Tensor) -> Result<Tensor> {
         let inp = x.dim(D::Minus1)?;
         if inp != self.cols {
@@ -189,6 +192,24 @@ impl QuantWeight {
                 quant_gemv(self.ty, data, xr, None, yr)?;
             }
             return output_like(x, y, self.rows);
+        }
+        if x.device().is_cpu() && x.dtype() == DType::F32 && !x.track_op() {
+            // A prompt on the CPU: the weight dequantized straight into the micro-kernels'
+            // panels (on the pool), then one packed product.
+            let (data, ty, row_bytes) = (self.data()?, self.ty, self.ty.bytes_of(self.cols));
+            let fill = |first: usize, count: usize, out: &mut [f32]| match row_bytes {
+                Some(rb) => data
+                    .get(first * rb..(first + count) * rb)
+                    .is_some_and(|b| blocks::dequantize(ty, b, out)),
+                None => false,
+            };
+            if let Some(w) = PackedWeight::pack_rows(self.cols, self.rows, &fill)? {
+                let xs = x.flatten_all()?.contiguous()?;
+                let values: Vec<f32> = xs.to_vec1()?;
+                let m = MatRef::row_major(&values, rows, self.cols)?;
+                let y = packed::linear(m, &w, 0..1, None)?;
+                return output_like(x, y, self.rows);
+            }
         }
         // The weight dequantized once for the call, multiplied as a dense layer would.
         let w = self

@@ -96,6 +96,41 @@ impl PackedWeight {
         Some(packed)
     }
 
+    /// Packs the `(in, out)` form of a `(n, k)` weight whose rows `rows(first, count, out)`
+    /// writes (`count` rows of `k` values, row-major; false when it cannot): the panels are
+    /// filled on the pool, each from its own rows, with no whole f32 copy of the weight
+    /// besides the panels. `Ok(None)` when the CPU has neither AVX-512 nor AVX2 + FMA.
+    pub fn pack_rows(
+        k: usize,
+        n: usize,
+        rows: &(dyn Fn(usize, usize, &mut [f32]) -> bool + Sync),
+    ) -> Result<Option<Self>> {
+        let Some(packed) = Self::empty(k, n, &[], None) else {
+            return Ok(None);
+        };
+        let mut data = AlignedFloats::zeroed(packed.panels.len() * k * PANEL);
+        data.par_chunks_mut((k * PANEL).max(1))
+            .zip(&packed.panels)
+            .try_for_each(|(dst, panel)| {
+                let mut w = vec![0f32; panel.width * k];
+                if !rows(panel.col, panel.width, &mut w) {
+                    return Err(Error::Kernel(format!(
+                        "rows {}..{} of a ({n}, {k}) weight",
+                        panel.col,
+                        panel.col + panel.width
+                    )));
+                }
+                for (j, row) in w.chunks_exact(k.max(1)).enumerate() {
+                    for (kk, &v) in row.iter().enumerate() {
+                        dst[kk * PANEL + j] = v;
+                    }
+                }
+                Ok(())
+            })?;
+        let _ = packed.data.set(data);
+        Ok(Some(packed))
+    }
+
     /// The `(in, out)` form of half-precision `(out, in)` matrices stacked along their
     /// outputs (a checkpoint's Q, K and V rows, where its file is mapped), packed on first
     /// need, each value widened exactly (no f32 copy of the matrices is made). `Ok(None)`
@@ -505,6 +540,33 @@ mod tests {
             bf16: false,
         };
         assert!(PackedWeight::from_half(Arc::new(short), &[]).is_err());
+        Ok(())
+    }
+
+    /// Panels filled from rows on demand are the panels of the whole matrix; a fill that
+    /// fails is an error.
+    #[test]
+    fn packing_from_rows_equals_packing_the_matrix() -> Result<()> {
+        if !available() {
+            return Ok(());
+        }
+        let (n, k) = (101, 70); // (out, in): a last panel of 5 columns
+        let w = values(n * k, 6);
+        let rows = |first: usize, count: usize, out: &mut [f32]| {
+            out.copy_from_slice(&w[first * k..(first + count) * k]);
+            true
+        };
+        let from_rows = PackedWeight::pack_rows(k, n, &rows)?
+            .ok_or_else(|| Error::Kernel("no micro-kernel on this CPU".into()))?;
+        let whole = PackedWeight::pack(MatRef::row_major(&w, n, k)?.t(), &[])
+            .ok_or_else(|| Error::Kernel("no micro-kernel on this CPU".into()))?;
+        assert_eq!(
+            from_rows.data.get().map(|d| &d[..]),
+            whole.data.get().map(|d| &d[..])
+        );
+        assert_eq!(from_rows.dims(), (k, n));
+        let failing = |_: usize, _: usize, _: &mut [f32]| false;
+        assert!(PackedWeight::pack_rows(k, n, &failing).is_err());
         Ok(())
     }
 
