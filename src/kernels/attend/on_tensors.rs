@@ -86,7 +86,7 @@ pub(crate) fn attention(
     let (_, _, _, dv) = v.dims4()?;
     let out_dtype = v.dtype();
     if matches!(mode, WeightsMode::Skip) && mask.is_empty() {
-        // A decode step on a half-precision cache: read as stored, no f32 copy.
+        // A decode step: the cache read as stored (no contiguous f32 copy of its views).
         if let Some(context) = crate::kernels::decode::one_query::attention(q, k, v, scale)? {
             return Ok((context, None));
         }

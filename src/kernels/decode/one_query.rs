@@ -1,8 +1,8 @@
-//! Attention of one query row per head (a decode step) against half-precision keys and
-//! values read as stored: scores by the matrix-vector kernels, the softmax in f32 (base 2),
-//! the context as the weighted sum of the value rows. The tiled kernels compute on f32
-//! operands, which for an f16 / bf16 cache meant an f32 copy of every layer's cache on
-//! every step (see docs/performance.md).
+//! Attention of one query row per head (a decode step) against keys and values read as
+//! stored (f32, f16 or bf16): scores by the matrix-vector kernels, the softmax in f32
+//! (base 2), the context as the weighted sum of the value rows. The tiled kernels compute on
+//! contiguous f32 operands, which meant a copy of every layer's cache view on every step
+//! (an f32 one for an f16 / bf16 cache; see docs/performance.md).
 
 use candle_core::{CpuStorage, DType, Device, Storage, Tensor};
 use rayon::prelude::*;
@@ -47,7 +47,7 @@ impl<'a, T> Rows<'a, T> {
 }
 
 /// The context `(batch, heads, 1, d_v)` in `v`'s dtype of one query row per head, with no
-/// mask, when K and V are f16 or bf16 CPU tensors whose rows lie one after another in each
+/// mask, when K and V are f32, f16 or bf16 CPU tensors whose rows lie one after another in each
 /// head (a [`crate::KvCache`]'s views do); `None` otherwise (the caller runs the tiled
 /// kernels). Shapes were checked by the caller.
 ///
@@ -58,8 +58,8 @@ pub(crate) fn attention(q: &Tensor, k: &Tensor, v: &Tensor, scale: f64) -> Resul
     let (b, h, sq, dk) = q.dims4()?;
     let (_, kvh, sk, _) = k.dims4()?;
     let (_, _, _, dv) = v.dims4()?;
-    let half = matches!(k.dtype(), DType::F16 | DType::BF16);
-    if sq != 1 || sk == 0 || !half || v.dtype() != k.dtype() || !k.device().is_cpu() {
+    let stored = matches!(k.dtype(), DType::F16 | DType::BF16 | DType::F32);
+    if sq != 1 || sk == 0 || !stored || v.dtype() != k.dtype() || !k.device().is_cpu() {
         return Ok(None);
     }
     let qs: Vec<f32> = q.to_dtype(DType::F32)?.flatten_all()?.to_vec1()?; // (b, h, dk)
@@ -88,6 +88,9 @@ pub(crate) fn attention(q: &Tensor, k: &Tensor, v: &Tensor, scale: f64) -> Resul
                 run(&qs, kp.of(kd), vp.of(vd), sizes, scale, &mut ctx)?
             }
             (Storage::Cpu(CpuStorage::F16(kd)), Storage::Cpu(CpuStorage::F16(vd))) => {
+                run(&qs, kp.of(kd), vp.of(vd), sizes, scale, &mut ctx)?
+            }
+            (Storage::Cpu(CpuStorage::F32(kd)), Storage::Cpu(CpuStorage::F32(vd))) => {
                 run(&qs, kp.of(kd), vp.of(vd), sizes, scale, &mut ctx)?
             }
             _ => return Ok(None),
@@ -182,8 +185,15 @@ mod tests {
                 }
             }
         }
-        // f32 operands, several query rows, or a strided key layout go to the tiled kernels.
-        assert!(attention(&q, &k, &v, scale)?.is_none());
+        // f32 operands (the narrowed cache views), exactly but for the order of the sums.
+        let got = attention(&q, &k, &v, scale)?.ok_or_else(|| Error::Kernel("not taken".into()))?;
+        let got: Vec<f32> = got.flatten_all()?.to_vec1()?;
+        for (g, w) in got.iter().zip(&want) {
+            assert!((g - w).abs() <= 1e-5 * (1.0 + w.abs()), "f32: {g} vs {w}");
+        }
+        // Several query rows, or a strided key layout, go to the tiled kernels.
+        let q2 = Tensor::cat(&[&q, &q], 2)?;
+        assert!(attention(&q2, &k, &v, scale)?.is_none());
         let kt = kc
             .to_dtype(DType::BF16)?
             .transpose(2, 3)?
