@@ -32,6 +32,33 @@ pub(crate) mod scratch;
 pub(crate) mod simd;
 pub(crate) mod train;
 
+/// `v` rounded to f16 (or bf16) as little-endian bytes, with the rounded values as f32 (tests
+/// only).
+#[cfg(test)]
+pub(crate) fn test_half(v: &[f32], bf16: bool) -> (Vec<u8>, Vec<f32>) {
+    let bits: Vec<u16> = v
+        .iter()
+        .map(|&x| {
+            if bf16 {
+                half::bf16::from_f32(x).to_bits()
+            } else {
+                half::f16::from_f32(x).to_bits()
+            }
+        })
+        .collect();
+    let wide = bits
+        .iter()
+        .map(|&b| {
+            if bf16 {
+                half::bf16::from_bits(b).to_f32()
+            } else {
+                half::f16::from_bits(b).to_f32()
+            }
+        })
+        .collect();
+    (bits.iter().flat_map(|b| b.to_le_bytes()).collect(), wide)
+}
+
 /// Deterministic test values in `[-1, 1)`, distinct enough per `seed` (tests only).
 #[cfg(test)]
 pub(crate) fn test_values(n: usize, seed: usize) -> Vec<f32> {

@@ -327,21 +327,7 @@ unsafe fn fold(a: __m512, b: __m512) -> __m512 {
 mod tests {
     use super::*;
 
-    use half::{bf16, f16};
-
     use crate::kernels::test_values as values;
-
-    fn half_bytes(v: &[f32], bf: bool) -> Vec<u8> {
-        v.iter()
-            .flat_map(|&x| {
-                if bf {
-                    bf16::from_f32(x).to_le_bytes()
-                } else {
-                    f16::from_f32(x).to_le_bytes()
-                }
-            })
-            .collect()
-    }
 
     /// Every column range of stacked parts (tiles of 4 and 1 outputs, 1 to 4 input rows, a
     /// width that is no multiple of 16, f16 and bf16 parts) equals the f64 sums of the
@@ -354,23 +340,12 @@ mod tests {
         let k = 70;
         let outs = [37usize, 6, 61];
         let bfs = [false, true, false];
-        let rounded: Vec<Vec<f32>> = outs
+        let (bytes, rounded): (Vec<Vec<u8>>, Vec<Vec<f32>>) = outs
             .iter()
             .zip(bfs)
             .enumerate()
-            .map(|(i, (&n, bf))| {
-                let v = values(n * k, 3 + i);
-                let bytes = half_bytes(&v, bf);
-                let mut wide = vec![0f32; n * k];
-                crate::kernels::decode::widen::widen_half_bytes(&bytes, bf, &mut wide);
-                wide
-            })
-            .collect();
-        let bytes: Vec<Vec<u8>> = rounded
-            .iter()
-            .zip(bfs)
-            .map(|(v, bf)| half_bytes(v, bf))
-            .collect();
+            .map(|(i, (&n, bf))| crate::kernels::test_half(&values(n * k, 3 + i), bf))
+            .unzip();
         let parts: Vec<HalfRows<'_>> = bytes
             .iter()
             .zip(outs)

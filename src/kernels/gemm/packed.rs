@@ -482,20 +482,8 @@ mod tests {
             let mut f32_rows = Vec::new(); // (out, in) of all parts, exact values
             for (i, &rows) in outs.iter().enumerate() {
                 let v = values(rows * k, 10 + i);
-                let mut b = Vec::with_capacity(2 * rows * k);
-                for x in v {
-                    let bits = if bf16 {
-                        half::bf16::from_f32(x).to_bits()
-                    } else {
-                        half::f16::from_f32(x).to_bits()
-                    };
-                    b.extend_from_slice(&bits.to_le_bytes());
-                    f32_rows.push(if bf16 {
-                        half::bf16::from_bits(bits).to_f32()
-                    } else {
-                        half::f16::from_bits(bits).to_f32()
-                    });
-                }
+                let (b, wide) = crate::kernels::test_half(&v, bf16);
+                f32_rows.extend(wide);
                 bytes.push(b);
             }
             let source = OwnedHalf {
