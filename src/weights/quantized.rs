@@ -204,8 +204,7 @@ impl QuantWeight {
                 None => false,
             };
             if let Some(w) = PackedWeight::pack_rows(self.cols, self.rows, &fill)? {
-                let xs = x.flatten_all()?.contiguous()?;
-                let values: Vec<f32> = xs.to_vec1()?;
+                let values: Vec<f32> = x.flatten_all()?.to_vec1()?;
                 let m = MatRef::row_major(&values, rows, self.cols)?;
                 let y = packed::linear(m, &w, 0..1, None)?;
                 return output_like(x, y, self.rows);

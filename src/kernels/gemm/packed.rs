@@ -16,13 +16,13 @@
 //! ([`half_rows_product`]), so a model that only ever sees short inputs never allocates its
 //! panels (most of its load time, and most of its memory).
 
+use std::sync::{Arc, OnceLock};
+
 use rayon::prelude::*;
 
 use crate::error::{Error, Result};
 use crate::kernels::activation::gelu_erf_in_place;
 use crate::kernels::gemm::aligned::AlignedFloats;
-use std::sync::{Arc, OnceLock};
-
 use crate::kernels::gemm::half_rows_product;
 use crate::kernels::gemm::matrix::{HalfRows, HalfSource, MatRef};
 use crate::kernels::gemm::microkernel::{self, panel_product, Start};
@@ -108,16 +108,28 @@ impl PackedWeight {
         let Some(packed) = Self::empty(k, n, &[], None) else {
             return Ok(None);
         };
-        let mut data = AlignedFloats::zeroed(packed.panels.len() * k * PANEL);
+        let _ = packed.data.set(packed.fill(rows)?);
+        Ok(Some(packed))
+    }
+
+    /// The panels of the weight whose rows `rows` writes (as for [`PackedWeight::pack_rows`]),
+    /// each filled on the pool from its own rows.
+    fn fill(
+        &self,
+        rows: &(dyn Fn(usize, usize, &mut [f32]) -> bool + Sync),
+    ) -> Result<AlignedFloats> {
+        let k = self.k;
+        let mut data = AlignedFloats::zeroed(self.panels.len() * k * PANEL);
         data.par_chunks_mut((k * PANEL).max(1))
-            .zip(&packed.panels)
+            .zip(&self.panels)
             .try_for_each(|(dst, panel)| {
                 let mut w = vec![0f32; panel.width * k];
                 if !rows(panel.col, panel.width, &mut w) {
                     return Err(Error::Kernel(format!(
-                        "rows {}..{} of a ({n}, {k}) weight",
+                        "rows {}..{} of a ({}, {k}) weight",
                         panel.col,
-                        panel.col + panel.width
+                        panel.col + panel.width,
+                        self.n
                     )));
                 }
                 for (j, row) in w.chunks_exact(k.max(1)).enumerate() {
@@ -127,8 +139,7 @@ impl PackedWeight {
                 }
                 Ok(())
             })?;
-        let _ = packed.data.set(data);
-        Ok(Some(packed))
+        Ok(data)
     }
 
     /// The `(in, out)` form of half-precision `(out, in)` matrices stacked along their
@@ -158,21 +169,18 @@ impl PackedWeight {
         };
         let parts = source.parts()?;
         let rows = stacked_rows(&parts, self.k, self.n)?;
-        let k = self.k;
-        let mut data = AlignedFloats::zeroed(self.panels.len() * k * PANEL);
-        // The panels are filled on the pool: this runs inside a forward, not beside the
-        // other layers' loading.
-        data.par_chunks_mut((k * PANEL).max(1))
-            .zip(&self.panels)
-            .for_each(|(dst, panel)| {
-                let mut widened = vec![0f32; k];
-                for (j, &(part, r)) in rows[panel.col..panel.col + panel.width].iter().enumerate() {
-                    parts[part].widen_row(r, &mut widened);
-                    for (kk, &v) in widened.iter().enumerate() {
-                        dst[kk * PANEL + j] = v;
-                    }
-                }
-            });
+        let k = self.k.max(1);
+        let widen = |first: usize, count: usize, out: &mut [f32]| {
+            let Some(these) = rows.get(first..first + count) else {
+                return false;
+            };
+            for (&(part, r), dst) in these.iter().zip(out.chunks_exact_mut(k)) {
+                parts[part].widen_row(r, dst);
+            }
+            true
+        };
+        // On the pool: this runs inside a forward, not beside the other layers' loading.
+        let data = self.fill(&widen)?;
         // Two threads racing here both pack; the first one's panels are kept.
         Ok(self.data.get_or_init(|| data))
     }
