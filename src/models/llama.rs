@@ -343,6 +343,12 @@ impl Mlp {
                 return self.down.forward(&h);
             }
         }
+        // Blocks on the CPU: silu and the product in one pass over the values.
+        if let (Proj::Quant(gate), Proj::Quant(up)) = (&self.gate, &self.up) {
+            if let Some(h) = QuantWeight::forward_gated(gate, up, x)? {
+                return self.down.forward(&h);
+            }
+        }
         let g = candle_nn::ops::silu(&self.gate.forward(x)?)?;
         self.down.forward(&(g * self.up.forward(x)?)?)
     }

@@ -10,6 +10,7 @@ use candle_core::quantized::ggml_file::qtensor_from_ggml;
 use candle_core::quantized::{QMatMul, QTensor};
 use candle_core::{DType, Device, Module, Tensor, D};
 use candle_nn::Linear;
+use rayon::prelude::*;
 
 use crate::error::{Error, Result};
 use crate::kernels::decode::gemv::output_like;
@@ -32,6 +33,18 @@ enum Blocks {
 /// Up to this many input rows are multiplied on the blocks row by row; more by the weight
 /// dequantized once for the call (a prompt), into packed panels on the CPU.
 const FEW_ROWS: usize = 8;
+
+/// `x`'s values and its number of rows when it is f32 on the CPU and tracks no gradient
+/// (what this crate's kernels take).
+fn cpu_rows(x: &Tensor) -> Result<Option<(Vec<f32>, usize)>> {
+    if x.track_op() || !x.device().is_cpu() || x.dtype() != DType::F32 {
+        return Ok(None);
+    }
+    let cols = x.dim(D::Minus1)?.max(1);
+    let xs: Vec<f32> = x.flatten_all()?.to_vec1()?;
+    let rows = xs.len() / cols;
+    Ok(Some((xs, rows)))
+}
 
 /// A `(rows, cols)` weight of a block type, in its file.
 #[derive(Clone)]
@@ -182,31 +195,8 @@ impl QuantWeight {
                 return self.forward_on_device(qm, x);
             }
         }
-        let rows = x.elem_count() / inp.max(1);
-        if rows <= FEW_ROWS && !x.track_op() && x.device().is_cpu() && x.dtype() == DType::F32 {
-            // One pass over the blocks per row: cheaper than dequantizing the whole weight.
-            let xs: Vec<f32> = x.flatten_all()?.to_vec1()?;
-            let mut y = vec![0f32; rows * self.rows];
-            let data = self.data()?;
-            for (xr, yr) in xs.chunks_exact(inp).zip(y.chunks_exact_mut(self.rows)) {
-                quant_gemv(self.ty, data, xr, None, yr)?;
-            }
-            return output_like(x, y, self.rows);
-        }
-        if x.device().is_cpu() && x.dtype() == DType::F32 && !x.track_op() {
-            // A prompt on the CPU: the weight dequantized straight into the micro-kernels'
-            // panels (on the pool), then one packed product.
-            let (data, ty, row_bytes) = (self.data()?, self.ty, self.ty.bytes_of(self.cols));
-            let fill = |first: usize, count: usize, out: &mut [f32]| match row_bytes {
-                Some(rb) => data
-                    .get(first * rb..(first + count) * rb)
-                    .is_some_and(|b| blocks::dequantize(ty, b, out)),
-                None => false,
-            };
-            if let Some(w) = PackedWeight::pack_rows(self.cols, self.rows, &fill)? {
-                let values: Vec<f32> = x.flatten_all()?.to_vec1()?;
-                let m = MatRef::row_major(&values, rows, self.cols)?;
-                let y = packed::linear(m, &w, 0..1, None)?;
+        if let Some((xs, rows)) = cpu_rows(x)? {
+            if let Some(y) = self.product_values(&xs, rows)? {
                 return output_like(x, y, self.rows);
             }
         }
@@ -216,6 +206,63 @@ impl QuantWeight {
             .to_device(x.device())?
             .to_dtype(x.dtype())?;
         Ok(Linear::new(w, None).forward(x)?)
+    }
+
+    /// `silu(x W_g^T) * (x W_u^T)` (`silu(g) = g / (1 + e^-g)`, as candle's) for f32 rows
+    /// on the CPU: both products as [`QuantWeight::forward`] runs them, then one pass over
+    /// their values on the pool instead of candle's two ops; `Ok(None)` elsewhere (the caller
+    /// composes the ops).
+    pub(crate) fn forward_gated(gate: &Self, up: &Self, x: &Tensor) -> Result<Option<Tensor>> {
+        if (gate.rows, gate.cols) != (up.rows, up.cols) || x.dim(D::Minus1)? != gate.cols {
+            return Ok(None);
+        }
+        let Some((xs, rows)) = cpu_rows(x)? else {
+            return Ok(None);
+        };
+        let (Some(mut g), Some(u)) = (
+            gate.product_values(&xs, rows)?,
+            up.product_values(&xs, rows)?,
+        ) else {
+            return Ok(None);
+        };
+        g.par_chunks_mut(4096)
+            .zip(u.par_chunks(4096))
+            .for_each(|(g, u)| {
+                for (gv, &uv) in g.iter_mut().zip(u) {
+                    *gv = *gv / (1.0 + (-*gv).exp()) * uv;
+                }
+            });
+        Ok(Some(output_like(x, g, gate.rows)?))
+    }
+
+    /// `x W^T` `(rows, self.rows)` for `rows` f32 input rows `xs` on the CPU: up to
+    /// [`FEW_ROWS`] on the row kernels (one pass over the blocks per row), more by the weight
+    /// dequantized for the call straight into the micro-kernels' panels (on the pool), then
+    /// one packed product; `Ok(None)` when this CPU has no packed kernels.
+    fn product_values(&self, xs: &[f32], rows: usize) -> Result<Option<Vec<f32>>> {
+        let data = self.data()?;
+        if rows <= FEW_ROWS {
+            let mut y = vec![0f32; rows * self.rows];
+            for (xr, yr) in xs
+                .chunks_exact(self.cols)
+                .zip(y.chunks_exact_mut(self.rows))
+            {
+                quant_gemv(self.ty, data, xr, None, yr)?;
+            }
+            return Ok(Some(y));
+        }
+        let (ty, row_bytes) = (self.ty, self.ty.bytes_of(self.cols));
+        let fill = |first: usize, count: usize, out: &mut [f32]| match row_bytes {
+            Some(rb) => data
+                .get(first * rb..(first + count) * rb)
+                .is_some_and(|b| blocks::dequantize(ty, b, out)),
+            None => false,
+        };
+        let Some(w) = PackedWeight::pack_rows(self.cols, self.rows, &fill)? else {
+            return Ok(None);
+        };
+        let m = MatRef::row_major(xs, rows, self.cols)?;
+        Ok(Some(packed::linear(m, &w, 0..1, None)?))
     }
 
     /// The rows `ids` (an embedding lookup), dequantized on the CPU: `(..., cols)` f32 for
