@@ -142,6 +142,7 @@ pub use attention::softmax::masked_softmax;
 pub use device::{parse_dtype, select_device};
 pub use error::{Error, Result};
 pub use kernels::attend::WeightsBlock;
+pub use kernels::decode::quant_gemv::{int8_activations, set_int8_activations};
 pub use kernels::quant::blocks::QuantType;
 pub use memory::{attention_weights_bytes, available_memory_bytes, retain_freed_memory};
 pub use models::batching::{into_length_sorted_batches, length_sorted_batches, padding_tokens};

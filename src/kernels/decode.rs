@@ -10,4 +10,5 @@ pub(crate) mod one_query;
 pub(crate) mod quant_gemv;
 pub(crate) mod quant_gemv_avx2;
 pub(crate) mod quant_gemv_avx512;
+pub(crate) mod quant_gemv_vnni;
 pub(crate) mod widen;

@@ -6,14 +6,36 @@
 //! multiplies them with the f32 matrix-vector kernel, giving the sums the same weight
 //! dequantized to f32 would give, bit for bit.
 
+use std::sync::atomic::{AtomicBool, Ordering};
+
 use rayon::prelude::*;
 
 use crate::error::{Error, Result};
 use crate::kernels::decode::gemv::{dot_rows, task_len, ROWS_PER_TASK};
 use crate::kernels::decode::keep_warm;
+use crate::kernels::decode::quant_gemv_vnni::{self, QuantizedX};
 use crate::kernels::decode::{quant_gemv_avx2, quant_gemv_avx512};
 use crate::kernels::quant::blocks::{self, QuantType};
 use crate::kernels::scratch::with_scratch;
+
+/// Whether GGUF products of a few rows quantize `x` to 8 bits ([`set_int8_activations`]).
+static INT8_ACTIVATIONS: AtomicBool = AtomicBool::new(false);
+
+/// Opts in to (or out of) 8-bit activations in the matrix-vector products of GGUF weights
+/// on the CPU, as llama.cpp computes them: each product quantizes `x` once into blocks of 32
+/// signed bytes with a scale each, and the weight's integers meet them in AVX-512 VNNI
+/// dot-product instructions. Faster where the unpacking, not the memory, bounds a product;
+/// not exact: the greedy tokens may leave the f32 model's after a few (see the README).
+/// Process-wide; off by default. Where the CPU lacks AVX-512 VNNI, and for the K-quants
+/// and prompts of more than a few rows, the products stay exact.
+pub fn set_int8_activations(on: bool) {
+    INT8_ACTIVATIONS.store(on, Ordering::Relaxed);
+}
+
+/// Whether [`set_int8_activations`] is on.
+pub fn int8_activations() -> bool {
+    INT8_ACTIVATIONS.load(Ordering::Relaxed)
+}
 
 /// Rows dequantized together (the f32 kernel's group of rows).
 const GROUP: usize = 4;
@@ -89,11 +111,38 @@ pub(crate) fn quant_gemv(
             data.len()
         )));
     }
+    product(ty, data, x, bias, y, row_bytes, int8_activations())
+}
+
+/// [`quant_gemv`] for sizes checked (`row_bytes` a row's), with 8-bit activations where
+/// `int8` and this CPU and type have them.
+fn product(
+    ty: QuantType,
+    data: &[u8],
+    x: &[f32],
+    bias: Option<&[f32]>,
+    y: &mut [f32],
+    row_bytes: usize,
+    int8: bool,
+) -> Result<()> {
+    let (out, inp) = (y.len(), x.len());
     let len = task_len(out, GROUP, ROWS_PER_TASK);
     let row_dot = row_kernel(ty);
+    let xq = if int8 && quant_gemv_vnni::supports(ty) {
+        QuantizedX::new(x)
+    } else {
+        None
+    };
     let work = |(c, ys): (usize, &mut [f32])| -> Result<()> {
         let j0 = c * len;
-        if let Some(row_dot) = row_dot {
+        if let Some(xq) = &xq {
+            // 8-bit activations (opted in): each row's integers against `x` quantized.
+            for (r, yv) in ys.iter_mut().enumerate() {
+                let at = (j0 + r) * row_bytes;
+                *yv = quant_gemv_vnni::row_dot(ty, &data[at..at + row_bytes], xq)
+                    .ok_or_else(|| Error::Kernel(format!("{ty}: no 8-bit row kernel")))?;
+            }
+        } else if let Some(row_dot) = row_dot {
             // Each row unpacked in registers and summed as it is read.
             for (r, yv) in ys.iter_mut().enumerate() {
                 let at = (j0 + r) * row_bytes;
@@ -243,6 +292,54 @@ mod tests {
                         );
                     }
                 }
+            }
+        }
+        Ok(())
+    }
+
+    /// With 8-bit activations (where this CPU has them): every type's product within the
+    /// quantization of `x` of the exact one (`sum |w| dx / 2` a block, `dx = max|x| / 127`),
+    /// rows split over tasks as the exact path splits them; the bias added.
+    #[test]
+    fn int8_products_stay_within_the_quantization_of_x() -> candle_core::Result<()> {
+        for ty in quant_gemv_vnni::TYPES {
+            let (out, inp) = (301usize, 576usize);
+            let w = crate::kernels::test_values(out * inp, 5);
+            let q = QTensor::quantize(&Tensor::from_vec(w, (out, inp), &Device::Cpu)?, ggml(ty))?;
+            let bytes = q.data()?;
+            let mut deq = vec![0f32; out * inp];
+            assert!(blocks::dequantize(ty, &bytes, &mut deq));
+            let x = crate::kernels::test_values(inp, 7);
+            let bias = crate::kernels::test_values(out, 4);
+            let row_bytes = bytes.len() / out;
+            let mut got = vec![f32::NAN; out];
+            product(ty, &bytes, &x, Some(&bias), &mut got, row_bytes, true)
+                .map_err(crate::Error::into_candle)?;
+            for (j, g) in got.iter().enumerate() {
+                let row = &deq[j * inp..(j + 1) * inp];
+                let exact: f64 = row
+                    .iter()
+                    .zip(&x)
+                    .map(|(a, b)| *a as f64 * *b as f64)
+                    .sum::<f64>()
+                    + bias[j] as f64;
+                let bound: f64 = row
+                    .chunks(32)
+                    .zip(x.chunks(32))
+                    .map(|(wb, xb)| {
+                        let dx = xb.iter().fold(0f32, |a, v| a.max(v.abs())) as f64 / 127.0;
+                        wb.iter().map(|v| v.abs() as f64).sum::<f64>() * dx / 2.0
+                    })
+                    .sum();
+                let mag: f64 = row
+                    .iter()
+                    .zip(&x)
+                    .map(|(a, b)| (*a as f64 * *b as f64).abs())
+                    .sum();
+                assert!(
+                    (*g as f64 - exact).abs() <= bound + mag * 1e-5,
+                    "{ty} row {j}: {g} vs {exact}"
+                );
             }
         }
         Ok(())

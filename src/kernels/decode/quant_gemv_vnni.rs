@@ -1,0 +1,394 @@
+//! The opt-in 8-bit-activation products of GGUF rows (llama.cpp's way, not exact): `x` is
+//! quantized once per product into blocks of 32 signed bytes with an f32 scale each
+//! (`dx = max|x| / 127`, `qx = round(x / dx)`), and each weight block's integers meet them
+//! in one AVX-512 VNNI instruction (`vpdpbusd`: 32 byte products summed into 8 lanes),
+//! scaled once per block:
+//!
+//! `sum_k (d q_k + m) x_k ~ d dx sum_k q_k qx_k + m dx sum_k qx_k`
+//!
+//! The weight's integers go in as unsigned bytes: Q4_0's `q - 8`, Q5_0's `q - 16` and
+//! Q8_0's signed `q` (its bytes XOR 0x80, `q + 128`) are summed as `q` plus an offset whose
+//! term, `-offset d dx sum_k qx_k`, is added per block like Q4_1's and Q5_1's `m` term.
+//! The error against the f32 product is the quantization of `x` alone (the weight's values
+//! are exact): at most `sum_k |w_k| dx / 2` per block.
+
+// The AVX-512 intrinsics are stable since Rust 1.89, above the `rust-version` the manifest
+// declares; candle-core 0.11 itself needs 1.89 on x86-64 (as in `microkernel.rs`).
+#![allow(clippy::incompatible_msrv)]
+#![cfg_attr(not(target_arch = "x86_64"), allow(dead_code))]
+
+#[cfg(target_arch = "x86_64")]
+use std::arch::x86_64::*;
+
+use crate::kernels::quant::blocks::QuantType;
+
+/// `x` in 32-value blocks of signed bytes: `x[32 i + j] ~ qs[32 i + j] * d[i]`, and
+/// `dsum[i] = d[i] * sum_j qs[32 i + j]` (the offset and `m` terms' factor). `halves` holds
+/// the same bytes with each pair of blocks `(2p, 2p + 1)` as the 4- and 5-bit weights'
+/// nibbles come out of their bytes: the first 16 values of each, then the last 16 of each.
+#[derive(Debug, Clone, Default)]
+pub(crate) struct QuantizedX {
+    qs: Vec<i8>,
+    halves: Vec<i8>,
+    d: Vec<f32>,
+    dsum: Vec<f32>,
+}
+
+impl QuantizedX {
+    /// `x` (a whole number of 32-value blocks) quantized: per block `d = max|x| / 127`,
+    /// `q = round(x / d)` (to nearest, ties to even), `d = 0` and `q = 0` for a block of
+    /// zeros. `None` when `x` is no whole number of blocks.
+    pub(crate) fn new(x: &[f32]) -> Option<Self> {
+        if x.len() % 32 != 0 {
+            return None;
+        }
+        let n = x.len() / 32;
+        let mut out = Self {
+            qs: vec![0; x.len()],
+            halves: Vec::new(),
+            d: vec![0.0; n],
+            dsum: vec![0.0; n],
+        };
+        for (i, xb) in x.chunks_exact(32).enumerate() {
+            let amax = xb.iter().fold(0f32, |a, v| a.max(v.abs()));
+            let d = amax / 127.0;
+            let id = if d > 0.0 { 1.0 / d } else { 0.0 };
+            let mut sum = 0i32;
+            for (q, v) in out.qs[32 * i..32 * (i + 1)].iter_mut().zip(xb) {
+                let r = (v * id).round_ties_even().clamp(-127.0, 127.0) as i8;
+                sum += i32::from(r);
+                *q = r;
+            }
+            out.d[i] = d;
+            out.dsum[i] = d * sum as f32;
+        }
+        out.halves.clone_from(&out.qs);
+        for (h, q) in out.halves.chunks_exact_mut(64).zip(out.qs.chunks_exact(64)) {
+            for (part, src) in [0, 32, 16, 48].into_iter().enumerate() {
+                h[16 * part..16 * (part + 1)].copy_from_slice(&q[src..src + 16]);
+            }
+        }
+        Some(out)
+    }
+
+    /// The values the blocks stand for (`qs * d`), for checks.
+    #[cfg(test)]
+    pub(crate) fn values(&self) -> Vec<f32> {
+        self.qs
+            .iter()
+            .enumerate()
+            .map(|(k, &q)| f32::from(q) * self.d[k / 32])
+            .collect()
+    }
+}
+
+/// The block types these kernels take.
+pub(crate) const TYPES: [QuantType; 5] = [
+    QuantType::Q4_0,
+    QuantType::Q4_1,
+    QuantType::Q5_0,
+    QuantType::Q5_1,
+    QuantType::Q8_0,
+];
+
+/// Whether this CPU runs these kernels for `ty`: AVX-512 F, BW, VL and VNNI (the
+/// instruction set not capped below AVX-512).
+pub(crate) fn supports(ty: QuantType) -> bool {
+    #[cfg(target_arch = "x86_64")]
+    {
+        use crate::kernels::simd::{isa, Isa};
+        use std::sync::OnceLock;
+        static VNNI: OnceLock<bool> = OnceLock::new();
+        let cpu = *VNNI.get_or_init(|| {
+            is_x86_feature_detected!("avx512f")
+                && is_x86_feature_detected!("avx512bw")
+                && is_x86_feature_detected!("avx512vl")
+                && is_x86_feature_detected!("avx512vnni")
+                && is_x86_feature_detected!("f16c")
+                && is_x86_feature_detected!("fma")
+        });
+        cpu && matches!(isa(), Isa::Avx512) && TYPES.contains(&ty)
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    {
+        let _ = ty;
+        false
+    }
+}
+
+/// `sum_k W[k] x[k]` for one row of `ty` blocks against `x` quantized; `None` when this CPU
+/// or type has no kernel here, or the sizes do not fit.
+pub(crate) fn row_dot(ty: QuantType, row: &[u8], x: &QuantizedX) -> Option<f32> {
+    if !supports(ty) || ty.bytes_of(x.qs.len()) != Some(row.len()) {
+        return None;
+    }
+    #[cfg(target_arch = "x86_64")]
+    {
+        use crate::kernels::decode::quant_gemv::kind::{Q4_0, Q4_1, Q5_0, Q5_1, Q8_0};
+        // SAFETY: the features checked by `supports`; `row` holds `x.d.len()` whole blocks.
+        Some(unsafe {
+            match ty {
+                QuantType::Q8_0 => dot_pairs::<Q8_0>(row.as_ptr(), x),
+                QuantType::Q4_0 => dot_pairs::<Q4_0>(row.as_ptr(), x),
+                QuantType::Q4_1 => dot_pairs::<Q4_1>(row.as_ptr(), x),
+                QuantType::Q5_0 => dot_pairs::<Q5_0>(row.as_ptr(), x),
+                _ => dot_pairs::<Q5_1>(row.as_ptr(), x),
+            }
+        })
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    {
+        None
+    }
+}
+
+/// The f16 at `p` as f32.
+#[cfg(target_arch = "x86_64")]
+#[inline(always)]
+unsafe fn half_at(p: *const u8) -> f32 {
+    let bits = u16::from_le_bytes([*p, *p.add(1)]);
+    _mm_cvtss_f32(_mm_cvtph_ps(_mm_cvtsi32_si128(i32::from(bits))))
+}
+
+/// The 32 values of a 4-bit block's 16 bytes at `qs` as unsigned bytes in value order
+/// (values `j` in the low nibbles, `16 + j` in the high ones).
+#[cfg(target_arch = "x86_64")]
+#[inline(always)]
+unsafe fn nibbles(qs: *const u8) -> __m256i {
+    let b = _mm_loadu_si128(qs as *const __m128i);
+    let mask = _mm_set1_epi8(0x0F);
+    let lo = _mm_and_si128(b, mask);
+    let hi = _mm_and_si128(_mm_srli_epi16::<4>(b), mask);
+    _mm256_set_m128i(hi, lo)
+}
+
+/// Bit 4 of value `j` from bit `j` of the u32 at `qh` (the 5-bit types' high bits).
+#[cfg(target_arch = "x86_64")]
+#[inline(always)]
+unsafe fn fifth_bits(qh: *const u8) -> __m256i {
+    let bits = u32::from_le_bytes([*qh, *qh.add(1), *qh.add(2), *qh.add(3)]);
+    _mm256_maskz_mov_epi8(bits, _mm256_set1_epi8(0x10))
+}
+
+/// One row of `K` blocks at `b0` against `x`, two blocks to an instruction: per pair one
+/// 512-bit `vpdpbusd`, its 16 lanes scaled by each block's `d dx` (a vector of the two,
+/// spread to the lanes each block's sums are in), the offset or `m` terms summed apart; a
+/// last odd block in 256 bits ([`block`]).
+///
+/// # Safety
+/// AVX-512 F, BW, VL, VNNI, F16C and FMA; `b0` points at `x.d.len()` whole blocks.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,f16c,fma,avx2")]
+unsafe fn dot_pairs<const K: u8>(b0: *const u8, x: &QuantizedX) -> f32 {
+    use crate::kernels::decode::quant_gemv::kind::{self, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0};
+    let size = kind::quant_type(K).block_bytes();
+    let n = x.d.len();
+    // Lanes of the sums: Q8_0's blocks in order (8 lanes each); the others' halves
+    // interleaved (4 lanes of each block's first 16 values, then of its last 16).
+    let spread = if K == Q8_0 {
+        _mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1)
+    } else {
+        _mm512_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1, 0, 0, 0, 0, 1, 1, 1, 1)
+    };
+    let (mut acc, mut terms) = (_mm512_setzero_ps(), _mm_setzero_ps());
+    let xs = if K == Q8_0 {
+        x.qs.as_ptr()
+    } else {
+        x.halves.as_ptr()
+    };
+    let half = |p: *const u8| u32::from(u16::from_le_bytes([*p, *p.add(1)]));
+    for p in 0..n / 2 {
+        let (a, b) = (b0.add(2 * p * size), b0.add((2 * p + 1) * size));
+        let w = if K == Q8_0 {
+            let lo = _mm512_castsi256_si512(_mm256_loadu_si256(a.add(2) as *const __m256i));
+            let both = _mm512_inserti64x4::<1>(lo, _mm256_loadu_si256(b.add(2) as *const __m256i));
+            _mm512_xor_si512(both, _mm512_set1_epi8(-128))
+        } else {
+            let at = match K {
+                Q4_0 => 2,
+                Q4_1 => 4,
+                Q5_0 => 6,
+                _ => 8,
+            };
+            let bytes = _mm256_inserti128_si256::<1>(
+                _mm256_castsi128_si256(_mm_loadu_si128(a.add(at) as *const __m128i)),
+                _mm_loadu_si128(b.add(at) as *const __m128i),
+            );
+            let mask = _mm256_set1_epi8(0x0F);
+            let lo = _mm256_and_si256(bytes, mask);
+            let hi = _mm256_and_si256(_mm256_srli_epi16::<4>(bytes), mask);
+            let w = _mm512_inserti64x4::<1>(_mm512_castsi256_si512(lo), hi);
+            if K == Q5_0 || K == Q5_1 {
+                let qh = if K == Q5_0 { 2 } else { 4 };
+                let (ha, hb) = (read_u32(a.add(qh)), read_u32(b.add(qh)));
+                let bits = u64::from(ha & 0xFFFF)
+                    | u64::from(hb & 0xFFFF) << 16
+                    | u64::from(ha >> 16) << 32
+                    | u64::from(hb >> 16) << 48;
+                _mm512_or_si512(w, _mm512_maskz_mov_epi8(bits, _mm512_set1_epi8(0x10)))
+            } else {
+                w
+            }
+        };
+        let sums = _mm512_dpbusd_epi32(
+            _mm512_setzero_si512(),
+            w,
+            _mm512_loadu_si512(xs.add(64 * p) as *const _),
+        );
+        // (d_a, d_b) and, for Q4_1 and Q5_1, (m_a, m_b) as f32 lanes 0 and 1.
+        let (d, m) = if K == Q4_1 || K == Q5_1 {
+            let dm = _mm_cvtph_ps(_mm_set_epi32(0, 0, read_u32(b) as i32, read_u32(a) as i32));
+            (
+                _mm_shuffle_ps::<0b10_00_10_00>(dm, dm),
+                _mm_shuffle_ps::<0b11_01_11_01>(dm, dm),
+            )
+        } else {
+            let dd = _mm_cvtph_ps(_mm_cvtsi32_si128((half(a) | half(b) << 16) as i32));
+            (dd, dd)
+        };
+        let dx = _mm_castpd_ps(_mm_load_sd(x.d.as_ptr().add(2 * p) as *const f64));
+        let scale = _mm512_permutexvar_ps(spread, _mm512_castps128_ps512(_mm_mul_ps(d, dx)));
+        acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sums), scale, acc);
+        let factor = match K {
+            Q4_0 => _mm_mul_ps(m, _mm_set1_ps(-8.0)),
+            Q5_0 => _mm_mul_ps(m, _mm_set1_ps(-16.0)),
+            Q8_0 => _mm_mul_ps(m, _mm_set1_ps(-128.0)),
+            _ => m,
+        };
+        let dsum = _mm_castpd_ps(_mm_load_sd(x.dsum.as_ptr().add(2 * p) as *const f64));
+        terms = _mm_fmadd_ps(factor, dsum, terms);
+    }
+    let mut total =
+        _mm512_reduce_add_ps(acc) + _mm_cvtss_f32(_mm_add_ss(terms, _mm_movehdup_ps(terms)));
+    if n % 2 == 1 {
+        let (v, t) = block::<K>(b0.add((n - 1) * size), x, n - 1);
+        let v = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps::<1>(v));
+        let v = _mm_add_ps(v, _mm_movehl_ps(v, v));
+        total += _mm_cvtss_f32(_mm_add_ss(v, _mm_movehdup_ps(v))) + t;
+    }
+    total
+}
+
+/// The little-endian u32 at `p`.
+#[cfg(target_arch = "x86_64")]
+#[inline(always)]
+unsafe fn read_u32(p: *const u8) -> u32 {
+    u32::from_le_bytes([*p, *p.add(1), *p.add(2), *p.add(3)])
+}
+
+/// Block `i` of a row (at `b`) against block `i` of `x`: its 8 lanes of `d dx q qx` sums,
+/// and its offset or `m` term.
+///
+/// # Safety
+/// As [`dot_pairs`]; `b` points at a whole `K` block, `i` below `x.d.len()`.
+#[cfg(target_arch = "x86_64")]
+#[inline(always)]
+unsafe fn block<const K: u8>(b: *const u8, x: &QuantizedX, i: usize) -> (__m256, f32) {
+    use crate::kernels::decode::quant_gemv::kind::{Q4_0, Q4_1, Q5_0, Q8_0};
+    // The weight's integers as unsigned bytes, and the factor of the block's `dx sum qx`.
+    let d = half_at(b);
+    let (w, term) = match K {
+        Q8_0 => (
+            _mm256_xor_si256(
+                _mm256_loadu_si256(b.add(2) as *const __m256i),
+                _mm256_set1_epi8(-128),
+            ),
+            -128.0 * d,
+        ),
+        Q4_0 => (nibbles(b.add(2)), -8.0 * d),
+        Q4_1 => (nibbles(b.add(4)), half_at(b.add(2))),
+        Q5_0 => (
+            _mm256_or_si256(nibbles(b.add(6)), fifth_bits(b.add(2))),
+            -16.0 * d,
+        ),
+        _ => (
+            _mm256_or_si256(nibbles(b.add(8)), fifth_bits(b.add(4))),
+            half_at(b.add(2)),
+        ),
+    };
+    let xv = _mm256_loadu_si256(x.qs.as_ptr().add(32 * i) as *const __m256i);
+    let sums = _mm256_dpbusd_epi32(_mm256_setzero_si256(), w, xv);
+    let scale = _mm256_set1_ps(d * *x.d.get_unchecked(i));
+    (
+        _mm256_mul_ps(_mm256_cvtepi32_ps(sums), scale),
+        term * *x.dsum.get_unchecked(i),
+    )
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::kernels::quant::blocks::{self, tests::ggml};
+    use candle_core::quantized::QTensor;
+    use candle_core::{Device, Tensor};
+
+    #[test]
+    fn x_quantizes_within_half_a_step() {
+        let mut x = crate::kernels::test_values(96, 5);
+        x[32..64].fill(0.0);
+        let q = QuantizedX::new(&x).expect("whole blocks");
+        assert_eq!(q.d[1], 0.0);
+        for (k, (a, b)) in q.values().iter().zip(&x).enumerate() {
+            assert!((a - b).abs() <= q.d[k / 32] * 0.5 + 1e-7, "{k}: {a} vs {b}");
+        }
+        let sums: Vec<f32> =
+            q.qs.chunks(32)
+                .zip(&q.d)
+                .map(|(b, d)| d * b.iter().map(|&v| f32::from(v)).sum::<f32>())
+                .collect();
+        assert_eq!(sums, q.dsum);
+        assert!(QuantizedX::new(&x[..40]).is_none());
+    }
+
+    /// Each type's dot product (rows of 18 and 19 blocks) equals the exact weight (gguf-py's values) times the
+    /// quantized `x`'s values, summed in f64, within f32 rounding of the magnitudes: the
+    /// integer sums, the offsets and the `m` terms are right, and the only error against
+    /// the f32 product is `x`'s quantization.
+    #[test]
+    fn equals_the_weight_times_the_quantized_x() -> candle_core::Result<()> {
+        // An even number of blocks a row, and an odd one (its last block alone).
+        for (ty, cols) in TYPES.into_iter().flat_map(|t| [(t, 576), (t, 608)]) {
+            if !supports(ty) {
+                continue;
+            }
+            let rows = 5;
+            let w = crate::kernels::test_values(rows * cols, 13);
+            let q = QTensor::quantize(&Tensor::from_vec(w, (rows, cols), &Device::Cpu)?, ggml(ty))?;
+            let bytes = q.data()?;
+            let mut deq = vec![0f32; rows * cols];
+            assert!(blocks::dequantize(ty, &bytes, &mut deq));
+            let x = crate::kernels::test_values(cols, 3);
+            let xq = QuantizedX::new(&x).expect("whole blocks");
+            let xv = xq.values();
+            let row_bytes = bytes.len() / rows;
+            for r in 0..rows {
+                let got =
+                    row_dot(ty, &bytes[r * row_bytes..(r + 1) * row_bytes], &xq).expect("a kernel");
+                let w = &deq[r * cols..(r + 1) * cols];
+                let want: f64 = w.iter().zip(&xv).map(|(a, b)| *a as f64 * *b as f64).sum();
+                let mag: f64 = w
+                    .iter()
+                    .zip(&xv)
+                    .map(|(a, b)| (*a as f64 * *b as f64).abs())
+                    .sum();
+                assert!(
+                    (got as f64 - want).abs() <= mag * 2e-6,
+                    "{ty} row {r}: {got} vs {want}"
+                );
+                // Against the f32 `x`: within its quantization error.
+                let exact: f64 = w.iter().zip(&x).map(|(a, b)| *a as f64 * *b as f64).sum();
+                let bound: f64 = w
+                    .chunks(32)
+                    .zip(&xq.d)
+                    .map(|(b, d)| b.iter().map(|v| v.abs() as f64).sum::<f64>() * *d as f64 / 2.0)
+                    .sum();
+                assert!(
+                    (got as f64 - exact).abs() <= bound + mag * 2e-6,
+                    "{ty} row {r}"
+                );
+            }
+            assert!(row_dot(ty, &bytes[..row_bytes - 1], &xq).is_none());
+        }
+        Ok(())
+    }
+}
