@@ -5,7 +5,7 @@
 # THREADS threads each, with each file's bandwidth bound.
 #
 #   benches/gguf.sh [FILE.gguf ...]     (default: models/SmolLM2-135M-Instruct.*.gguf)
-#   THREADS=2 ROUNDS=3 PYTHON=python3
+#   THREADS=2 ROUNDS=3 PYTHON=python3 INT8=1 (INT8=0: no row for --int8-activations)
 #
 # Decode: 64 greedy tokens after "The capital of France is", EOS ignored, tokens/s of the
 # decode steps. Prefill: a 512-token prompt, tokens/s. Each tool keeps its best of ROUNDS.
@@ -58,6 +58,15 @@ for f in "${files[@]}"; do
     rss="$(awk -v a="$rss" -v b="$kb" 'BEGIN { print (b > a) ? b : a }')"
   done
   printf '| %s | ours | %.1f | %.0f | %.0f | %.0f%% of %s |\n' "$(basename "$f")" "$best_dec" "$best_pre" "$(awk -v k="$rss" 'BEGIN { print k / 1024 }')" "$(awk -v d="$best_dec" -v b="$bound" 'BEGIN { print 100 * d / b }')" "$bound"
+  if [ "${INT8:-1}" = 1 ]; then
+    # The opt-in 8-bit activations (decode only: prefill stays exact).
+    i8=0
+    for _ in $(seq "$ROUNDS"); do
+      d="$("$BIN/generate" --model "$f" --prompt "The capital of France is" --max-new-tokens 64 --ignore-eos --format json --int8-activations | field decode_tokens_per_s)"
+      i8="$(awk -v a="$i8" -v b="$d" 'BEGIN { print (b > a) ? b : a }')"
+    done
+    printf '| %s | ours --int8-activations | %.1f | - | - | %.0f%% of %s |\n' "$(basename "$f")" "$i8" "$(awk -v d="$i8" -v b="$bound" 'BEGIN { print 100 * d / b }')" "$bound"
+  fi
   if [ "$have_candle" = 1 ]; then
     c_dec=0; c_pre=0; c_rss=0
     for _ in $(seq "$ROUNDS"); do
