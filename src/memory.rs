@@ -58,7 +58,7 @@ const TRIM_THRESHOLD: usize = 256 << 20;
 const MMAP_THRESHOLD: usize = 32 << 20;
 
 /// Makes the C allocator keep freed memory for reuse instead of giving it back to the
-/// system, for training loops on the CPU; returns whether it took effect (glibc on Linux;
+/// system, for training loops and long prompts on the CPU; returns whether it took effect (glibc on Linux;
 /// `false` elsewhere, where nothing changes).
 ///
 /// A training step with candle allocates every gradient afresh (a zeros tensor and a sum per
@@ -69,7 +69,9 @@ const MMAP_THRESHOLD: usize = 32 << 20;
 /// to 256 MiB of freed memory stay with the process (process-wide `mallopt`, like
 /// `GLIBC_TUNABLES=glibc.malloc.mmap_threshold=..:glibc.malloc.trim_threshold=..`), and the
 /// layer's backward also writes its `x` and `W_qkv` gradients into tensors kept from step to
-/// step. Call it once at the start of a training program; inference gains nothing from it.
+/// step. Call it once at the start of a training program. A decoder's prefill gains from it
+/// too (each of a 512-token prompt's products allocates megabytes afresh: SmolLM2's prefill
+/// 10% faster here, `generate` calls it); a few tokens at a time gain nothing.
 pub fn retain_freed_memory() -> bool {
     #[cfg(all(target_os = "linux", target_env = "gnu"))]
     {
