@@ -17,8 +17,8 @@
 //! "decode_tokens_per_s"}`. `--logits FILE` writes F32 `logits` `(prompt_len + N - 1,
 //! vocab)`: the prompt's rows, then the row each later token was chosen from.
 //! `--int8-activations` opts a `.gguf` model's decode steps in to llama.cpp's 8-bit
-//! activations on CPUs with AVX-512 VNNI (faster where unpacking bounds the products; the
-//! ids may leave the exact f32 ones after a few tokens).
+//! activations on CPUs with AVX-512 VNNI or AVX2 (faster where unpacking bounds the
+//! products; the ids may leave the exact f32 ones after a few tokens).
 
 use std::collections::HashMap;
 use std::io::Write;
@@ -79,7 +79,7 @@ struct Args {
     #[arg(long, default_value = "f32")]
     dtype: String,
     /// GGUF weights on the CPU: 8-bit activations in the decode steps' products, as
-    /// llama.cpp (AVX-512 VNNI CPUs; not exact: see `candle_attention::set_int8_activations`).
+    /// llama.cpp (AVX-512 VNNI or AVX2; not exact: see `candle_attention::set_int8_activations`).
     #[arg(long)]
     int8_activations: bool,
 }

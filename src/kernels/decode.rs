@@ -10,5 +10,6 @@ pub(crate) mod one_query;
 pub(crate) mod quant_gemv;
 pub(crate) mod quant_gemv_avx2;
 pub(crate) mod quant_gemv_avx512;
+pub(crate) mod quant_gemv_int8_avx2;
 pub(crate) mod quant_gemv_vnni;
 pub(crate) mod widen;

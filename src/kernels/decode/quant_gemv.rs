@@ -13,6 +13,7 @@ use rayon::prelude::*;
 use crate::error::{Error, Result};
 use crate::kernels::decode::gemv::{dot_rows, task_len, ROWS_PER_TASK};
 use crate::kernels::decode::keep_warm;
+use crate::kernels::decode::quant_gemv_int8_avx2;
 use crate::kernels::decode::quant_gemv_vnni::{self, QuantizedX};
 use crate::kernels::decode::{quant_gemv_avx2, quant_gemv_avx512};
 use crate::kernels::quant::blocks::{self, QuantType};
@@ -24,10 +25,11 @@ static INT8_ACTIVATIONS: AtomicBool = AtomicBool::new(false);
 /// Opts in to (or out of) 8-bit activations in the matrix-vector products of GGUF weights
 /// on the CPU, as llama.cpp computes them: each product quantizes `x` once into blocks of 32
 /// signed bytes with a scale each, and the weight's integers meet them in AVX-512 VNNI
-/// dot-product instructions. Faster where the unpacking, not the memory, bounds a product;
-/// not exact: the greedy tokens may leave the f32 model's after a few (see the README).
-/// Process-wide; off by default. Where the CPU lacks AVX-512 VNNI, and for the K-quants
-/// and prompts of more than a few rows, the products stay exact.
+/// dot-product instructions, or AVX2's byte multiply-adds. Faster where the unpacking, not
+/// the memory, bounds a product (most of all with AVX2); not exact: the greedy tokens may
+/// leave the f32 model's after a few (see the README). Process-wide; off by default. For
+/// the K-quants, prompts of more than a few rows and CPUs without AVX2, the products stay
+/// exact.
 pub fn set_int8_activations(on: bool) {
     INT8_ACTIVATIONS.store(on, Ordering::Relaxed);
 }
@@ -76,6 +78,10 @@ pub(crate) mod kind {
         }
     }
 }
+
+/// An 8-bit row kernel's signature: `sum_k W[k] x[k]` for one row of `ty` blocks against
+/// `x` quantized.
+type Int8Dot = fn(QuantType, &[u8], &QuantizedX) -> Option<f32>;
 
 /// A row kernel's signature: `sum_k W[k] x[k]` for one row of `ty` blocks.
 type RowDot = fn(QuantType, &[u8], &[f32]) -> Option<f32>;
@@ -128,18 +134,24 @@ fn product(
     let (out, inp) = (y.len(), x.len());
     let len = task_len(out, GROUP, ROWS_PER_TASK);
     let row_dot = row_kernel(ty);
-    let xq = if int8 && quant_gemv_vnni::supports(ty) {
-        QuantizedX::new(x)
+    // 8-bit activations: AVX-512 VNNI, else AVX2 (`None`: exact).
+    let int8_dot: Option<Int8Dot> = if !int8 {
+        None
+    } else if quant_gemv_vnni::supports(ty) {
+        Some(quant_gemv_vnni::row_dot)
+    } else if quant_gemv_int8_avx2::supports(ty) {
+        Some(quant_gemv_int8_avx2::row_dot)
     } else {
         None
     };
+    let xq = int8_dot.and_then(|dot| QuantizedX::new(x).map(|q| (dot, q)));
     let work = |(c, ys): (usize, &mut [f32])| -> Result<()> {
         let j0 = c * len;
-        if let Some(xq) = &xq {
+        if let Some((int8_dot, xq)) = &xq {
             // 8-bit activations (opted in): each row's integers against `x` quantized.
             for (r, yv) in ys.iter_mut().enumerate() {
                 let at = (j0 + r) * row_bytes;
-                *yv = quant_gemv_vnni::row_dot(ty, &data[at..at + row_bytes], xq)
+                *yv = int8_dot(ty, &data[at..at + row_bytes], xq)
                     .ok_or_else(|| Error::Kernel(format!("{ty}: no 8-bit row kernel")))?;
             }
         } else if let Some(row_dot) = row_dot {

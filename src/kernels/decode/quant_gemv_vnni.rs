@@ -28,10 +28,10 @@ use crate::kernels::quant::blocks::QuantType;
 /// nibbles come out of their bytes: the first 16 values of each, then the last 16 of each.
 #[derive(Debug, Clone, Default)]
 pub(crate) struct QuantizedX {
-    qs: Vec<i8>,
+    pub(crate) qs: Vec<i8>,
     halves: Vec<i8>,
-    d: Vec<f32>,
-    dsum: Vec<f32>,
+    pub(crate) d: Vec<f32>,
+    pub(crate) dsum: Vec<f32>,
 }
 
 impl QuantizedX {
@@ -145,7 +145,7 @@ pub(crate) fn row_dot(ty: QuantType, row: &[u8], x: &QuantizedX) -> Option<f32> 
 /// The f16 at `p` as f32.
 #[cfg(target_arch = "x86_64")]
 #[inline(always)]
-unsafe fn half_at(p: *const u8) -> f32 {
+pub(crate) unsafe fn half_at(p: *const u8) -> f32 {
     let bits = u16::from_le_bytes([*p, *p.add(1)]);
     _mm_cvtss_f32(_mm_cvtph_ps(_mm_cvtsi32_si128(i32::from(bits))))
 }
@@ -154,7 +154,7 @@ unsafe fn half_at(p: *const u8) -> f32 {
 /// (values `j` in the low nibbles, `16 + j` in the high ones).
 #[cfg(target_arch = "x86_64")]
 #[inline(always)]
-unsafe fn nibbles(qs: *const u8) -> __m256i {
+pub(crate) unsafe fn nibbles(qs: *const u8) -> __m256i {
     let b = _mm_loadu_si128(qs as *const __m128i);
     let mask = _mm_set1_epi8(0x0F);
     let lo = _mm_and_si128(b, mask);
@@ -272,7 +272,7 @@ unsafe fn dot_pairs<const K: u8>(b0: *const u8, x: &QuantizedX) -> f32 {
 /// The little-endian u32 at `p`.
 #[cfg(target_arch = "x86_64")]
 #[inline(always)]
-unsafe fn read_u32(p: *const u8) -> u32 {
+pub(crate) unsafe fn read_u32(p: *const u8) -> u32 {
     u32::from_le_bytes([*p, *p.add(1), *p.add(2), *p.add(3)])
 }
 
@@ -340,14 +340,20 @@ mod tests {
         assert!(QuantizedX::new(&x[..40]).is_none());
     }
 
-    /// Each type's dot product (rows of 18 and 19 blocks) equals the exact weight (gguf-py's values) times the
-    /// quantized `x`'s values, summed in f64, within f32 rounding of the magnitudes: the
-    /// integer sums, the offsets and the `m` terms are right, and the only error against
-    /// the f32 product is `x`'s quantization.
+    /// Each kernel's (AVX-512 VNNI, AVX2) dot product for each type, rows of 18 and 19
+    /// blocks, equals the exact weight (gguf-py's values) times the quantized `x`'s values,
+    /// summed in f64, within f32 rounding of the magnitudes: the integer sums, the offsets
+    /// and the `m` terms are right, and the only error against the f32 product is `x`'s
+    /// quantization.
     #[test]
     fn equals_the_weight_times_the_quantized_x() -> candle_core::Result<()> {
+        type Supports = fn(QuantType) -> bool;
+        type Dot = fn(QuantType, &[u8], &QuantizedX) -> Option<f32>;
+        use crate::kernels::decode::quant_gemv_int8_avx2 as avx2;
+        let kernels: [(Supports, Dot); 2] = [(supports, row_dot), (avx2::supports, avx2::row_dot)];
         // An even number of blocks a row, and an odd one (its last block alone).
-        for (ty, cols) in TYPES.into_iter().flat_map(|t| [(t, 576), (t, 608)]) {
+        let cases = TYPES.into_iter().flat_map(|t| [(t, 576), (t, 608)]);
+        for ((ty, cols), (supports, row_dot)) in cases.flat_map(|c| kernels.map(|k| (c, k))) {
             if !supports(ty) {
                 continue;
             }

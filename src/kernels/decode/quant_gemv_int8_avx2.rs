@@ -1,0 +1,159 @@
+//! The opt-in 8-bit-activation products of GGUF rows on CPUs without AVX-512 VNNI but with
+//! AVX2 (most laptops), as llama.cpp's AVX2 kernels compute them: per 32-value block the
+//! weight's integers as unsigned bytes meet `x`'s signed bytes ([`QuantizedX`]) in
+//! `vpmaddubsw` (pairs of byte products summed into 16-bit lanes) and `vpmaddwd` (pairs of
+//! those into 32-bit lanes), then one scaled FMA. Q8_0's signed weights go in as their
+//! magnitudes with their signs moved onto `x` (`vpsignb`), so that no 16-bit sum
+//! saturates (at most 2 x 128 x 127); the other types as in
+//! [`crate::kernels::decode::quant_gemv_vnni`], with their offset or `m` terms.
+
+#![cfg_attr(not(target_arch = "x86_64"), allow(dead_code))]
+
+#[cfg(target_arch = "x86_64")]
+use std::arch::x86_64::*;
+
+use crate::kernels::decode::quant_gemv_vnni::{QuantizedX, TYPES};
+use crate::kernels::quant::blocks::QuantType;
+
+/// Whether this CPU runs these kernels for `ty`: AVX2, FMA and F16C (the instruction set
+/// not capped below AVX2).
+pub(crate) fn supports(ty: QuantType) -> bool {
+    #[cfg(target_arch = "x86_64")]
+    {
+        use crate::kernels::simd::{isa, Isa};
+        use std::sync::OnceLock;
+        static AVX2: OnceLock<bool> = OnceLock::new();
+        let cpu = *AVX2.get_or_init(|| {
+            is_x86_feature_detected!("avx2")
+                && is_x86_feature_detected!("fma")
+                && is_x86_feature_detected!("f16c")
+        });
+        cpu && matches!(isa(), Isa::Avx512 | Isa::Avx2) && TYPES.contains(&ty)
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    {
+        let _ = ty;
+        false
+    }
+}
+
+/// `sum_k W[k] x[k]` for one row of `ty` blocks against `x` quantized; `None` when this CPU
+/// or type has no kernel here, or the sizes do not fit.
+pub(crate) fn row_dot(ty: QuantType, row: &[u8], x: &QuantizedX) -> Option<f32> {
+    if !supports(ty) || ty.bytes_of(x.qs.len()) != Some(row.len()) {
+        return None;
+    }
+    #[cfg(target_arch = "x86_64")]
+    {
+        use crate::kernels::decode::quant_gemv::kind::{Q4_0, Q4_1, Q5_0, Q5_1, Q8_0};
+        // SAFETY: the features checked by `supports`; `row` holds `x.d.len()` whole blocks.
+        Some(unsafe {
+            match ty {
+                QuantType::Q8_0 => dot::<Q8_0>(row.as_ptr(), x),
+                QuantType::Q4_0 => dot::<Q4_0>(row.as_ptr(), x),
+                QuantType::Q4_1 => dot::<Q4_1>(row.as_ptr(), x),
+                QuantType::Q5_0 => dot::<Q5_0>(row.as_ptr(), x),
+                _ => dot::<Q5_1>(row.as_ptr(), x),
+            }
+        })
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    {
+        None
+    }
+}
+
+/// 0x10 in byte `j` where bit `j` of the u32 at `qh` is set (the 5-bit types' high bits):
+/// each byte of the broadcast bits picked for its 8 lanes, then compared whole.
+#[cfg(target_arch = "x86_64")]
+#[inline(always)]
+unsafe fn fifth_bits(qh: *const u8) -> __m256i {
+    use crate::kernels::decode::quant_gemv_vnni::read_u32;
+    let bits = _mm256_set1_epi32(read_u32(qh) as i32);
+    let spread = _mm256_shuffle_epi8(
+        bits,
+        _mm256_setr_epi64x(
+            0,
+            0x0101_0101_0101_0101,
+            0x0202_0202_0202_0202,
+            0x0303_0303_0303_0303,
+        ),
+    );
+    // All other bits of each byte set: the byte is 0xFF exactly where its own bit is.
+    let others = _mm256_or_si256(spread, _mm256_set1_epi64x(0x7fbf_dfef_f7fb_fdfe));
+    let set = _mm256_cmpeq_epi8(others, _mm256_set1_epi64x(-1));
+    _mm256_and_si256(set, _mm256_set1_epi8(0x10))
+}
+
+/// One row of `K` blocks at `b0` against `x`: per block the byte products summed into 8
+/// lanes, scaled by `d dx` into the accumulator of even or odd blocks, and the offset or
+/// `m` term summed apart.
+///
+/// # Safety
+/// AVX2, FMA and F16C; `b0` points at `x.d.len()` whole blocks.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn dot<const K: u8>(b0: *const u8, x: &QuantizedX) -> f32 {
+    use crate::kernels::decode::quant_gemv::kind;
+    let size = kind::quant_type(K).block_bytes();
+    let n = x.d.len();
+    let (mut even, mut odd) = (_mm256_setzero_ps(), _mm256_setzero_ps());
+    let (mut terms_even, mut terms_odd) = (0f32, 0f32);
+    let mut i = 0;
+    while i + 2 <= n {
+        block::<K>(b0.add(i * size), x, i, &mut even, &mut terms_even);
+        block::<K>(b0.add((i + 1) * size), x, i + 1, &mut odd, &mut terms_odd);
+        i += 2;
+    }
+    if i < n {
+        block::<K>(b0.add(i * size), x, i, &mut even, &mut terms_even);
+    }
+    let s = _mm256_add_ps(even, odd);
+    let s = _mm_add_ps(_mm256_castps256_ps128(s), _mm256_extractf128_ps::<1>(s));
+    let s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    let s = _mm_add_ss(s, _mm_movehdup_ps(s));
+    _mm_cvtss_f32(s) + (terms_even + terms_odd)
+}
+
+/// Block `i` of a row (at `b`) against block `i` of `x`, added to `acc` (8 lanes of
+/// `d dx q qx` sums) and `terms` (its offset or `m` term).
+///
+/// # Safety
+/// As [`dot`]; `b` points at a whole `K` block, `i` below `x.d.len()`.
+#[cfg(target_arch = "x86_64")]
+#[inline(always)]
+unsafe fn block<const K: u8>(
+    b: *const u8,
+    x: &QuantizedX,
+    i: usize,
+    acc: &mut __m256,
+    terms: &mut f32,
+) {
+    use crate::kernels::decode::quant_gemv::kind::{Q4_0, Q4_1, Q5_0, Q8_0};
+    use crate::kernels::decode::quant_gemv_vnni::{half_at, nibbles};
+    let d = half_at(b);
+    let xv = _mm256_loadu_si256(x.qs.as_ptr().add(32 * i) as *const __m256i);
+    let (w, xv, term) = match K {
+        Q8_0 => {
+            let w = _mm256_loadu_si256(b.add(2) as *const __m256i);
+            (_mm256_sign_epi8(w, w), _mm256_sign_epi8(xv, w), 0.0)
+        }
+        Q4_0 => (nibbles(b.add(2)), xv, -8.0 * d),
+        Q4_1 => (nibbles(b.add(4)), xv, half_at(b.add(2))),
+        Q5_0 => (
+            _mm256_or_si256(nibbles(b.add(6)), fifth_bits(b.add(2))),
+            xv,
+            -16.0 * d,
+        ),
+        _ => (
+            _mm256_or_si256(nibbles(b.add(8)), fifth_bits(b.add(4))),
+            xv,
+            half_at(b.add(2)),
+        ),
+    };
+    let pairs = _mm256_maddubs_epi16(w, xv);
+    let sums = _mm256_madd_epi16(pairs, _mm256_set1_epi16(1));
+    let scale = _mm256_set1_ps(d * *x.d.get_unchecked(i));
+    *acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sums), scale, *acc);
+    *terms += term * *x.dsum.get_unchecked(i);
+}
