@@ -15,26 +15,10 @@ use std::arch::x86_64::*;
 use crate::kernels::decode::quant_gemv_vnni::{QuantizedX, TYPES};
 use crate::kernels::quant::blocks::QuantType;
 
-/// Whether this CPU runs these kernels for `ty`: AVX2, FMA and F16C (the instruction set
-/// not capped below AVX2).
+/// Whether this CPU runs these kernels for `ty`: where it runs the exact AVX2 ones (AVX2,
+/// FMA and F16C, the instruction set not capped below AVX2), for the 32-value types.
 pub(crate) fn supports(ty: QuantType) -> bool {
-    #[cfg(target_arch = "x86_64")]
-    {
-        use crate::kernels::simd::{isa, Isa};
-        use std::sync::OnceLock;
-        static AVX2: OnceLock<bool> = OnceLock::new();
-        let cpu = *AVX2.get_or_init(|| {
-            is_x86_feature_detected!("avx2")
-                && is_x86_feature_detected!("fma")
-                && is_x86_feature_detected!("f16c")
-        });
-        cpu && matches!(isa(), Isa::Avx512 | Isa::Avx2) && TYPES.contains(&ty)
-    }
-    #[cfg(not(target_arch = "x86_64"))]
-    {
-        let _ = ty;
-        false
-    }
+    crate::kernels::decode::quant_gemv_avx2::supports(ty) && TYPES.contains(&ty)
 }
 
 /// `sum_k W[k] x[k]` for one row of `ty` blocks against `x` quantized; `None` when this CPU
