@@ -47,6 +47,18 @@ pub(crate) fn row_dot(ty: QuantType, row: &[u8], x: &QuantizedX) -> Option<f32> 
     }
 }
 
+/// The 32 values of a 4-bit block's 16 bytes at `qs` as unsigned bytes in value order
+/// (values `j` in the low nibbles, `16 + j` in the high ones).
+#[cfg(target_arch = "x86_64")]
+#[inline(always)]
+pub(crate) unsafe fn nibbles(qs: *const u8) -> __m256i {
+    let b = _mm_loadu_si128(qs as *const __m128i);
+    let mask = _mm_set1_epi8(0x0F);
+    let lo = _mm_and_si128(b, mask);
+    let hi = _mm_and_si128(_mm_srli_epi16::<4>(b), mask);
+    _mm256_set_m128i(hi, lo)
+}
+
 /// 0x10 in byte `j` where bit `j` of the u32 at `qh` is set (the 5-bit types' high bits):
 /// each byte of the broadcast bits picked for its 8 lanes, then compared whole.
 #[cfg(target_arch = "x86_64")]
@@ -79,6 +91,7 @@ unsafe fn fifth_bits(qh: *const u8) -> __m256i {
 #[target_feature(enable = "avx2,fma,f16c")]
 unsafe fn dot<const K: u8>(b0: *const u8, x: &QuantizedX) -> f32 {
     use crate::kernels::decode::quant_gemv::kind;
+    use crate::kernels::decode::quant_gemv_avx2::hsum;
     let size = kind::quant_type(K).block_bytes();
     let n = x.d.len();
     let (mut even, mut odd) = (_mm256_setzero_ps(), _mm256_setzero_ps());
@@ -92,21 +105,17 @@ unsafe fn dot<const K: u8>(b0: *const u8, x: &QuantizedX) -> f32 {
     if i < n {
         block::<K>(b0.add(i * size), x, i, &mut even, &mut terms_even);
     }
-    let s = _mm256_add_ps(even, odd);
-    let s = _mm_add_ps(_mm256_castps256_ps128(s), _mm256_extractf128_ps::<1>(s));
-    let s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-    let s = _mm_add_ss(s, _mm_movehdup_ps(s));
-    _mm_cvtss_f32(s) + (terms_even + terms_odd)
+    hsum(_mm256_add_ps(even, odd)) + (terms_even + terms_odd)
 }
 
 /// Block `i` of a row (at `b`) against block `i` of `x`, added to `acc` (8 lanes of
 /// `d dx q qx` sums) and `terms` (its offset or `m` term).
 ///
 /// # Safety
-/// As [`dot`]; `b` points at a whole `K` block, `i` below `x.d.len()`.
+/// AVX2, FMA and F16C; `b` points at a whole `K` block, `i` below `x.d.len()`.
 #[cfg(target_arch = "x86_64")]
 #[inline(always)]
-unsafe fn block<const K: u8>(
+pub(crate) unsafe fn block<const K: u8>(
     b: *const u8,
     x: &QuantizedX,
     i: usize,
@@ -114,7 +123,7 @@ unsafe fn block<const K: u8>(
     terms: &mut f32,
 ) {
     use crate::kernels::decode::quant_gemv::kind::{Q4_0, Q4_1, Q5_0, Q8_0};
-    use crate::kernels::decode::quant_gemv_vnni::{half_at, nibbles};
+    use crate::kernels::decode::quant_gemv_vnni::half_at;
     let d = half_at(b);
     let xv = _mm256_loadu_si256(x.qs.as_ptr().add(32 * i) as *const __m256i);
     let (w, xv, term) = match K {

@@ -20,6 +20,8 @@
 #[cfg(target_arch = "x86_64")]
 use std::arch::x86_64::*;
 
+#[cfg(target_arch = "x86_64")]
+use crate::kernels::decode::{quant_gemv_avx2::hsum, quant_gemv_int8_avx2};
 use crate::kernels::quant::blocks::QuantType;
 
 /// `x` in 32-value blocks of signed bytes: `x[32 i + j] ~ qs[32 i + j] * d[i]`, and
@@ -150,30 +152,10 @@ pub(crate) unsafe fn half_at(p: *const u8) -> f32 {
     _mm_cvtss_f32(_mm_cvtph_ps(_mm_cvtsi32_si128(i32::from(bits))))
 }
 
-/// The 32 values of a 4-bit block's 16 bytes at `qs` as unsigned bytes in value order
-/// (values `j` in the low nibbles, `16 + j` in the high ones).
-#[cfg(target_arch = "x86_64")]
-#[inline(always)]
-pub(crate) unsafe fn nibbles(qs: *const u8) -> __m256i {
-    let b = _mm_loadu_si128(qs as *const __m128i);
-    let mask = _mm_set1_epi8(0x0F);
-    let lo = _mm_and_si128(b, mask);
-    let hi = _mm_and_si128(_mm_srli_epi16::<4>(b), mask);
-    _mm256_set_m128i(hi, lo)
-}
-
-/// Bit 4 of value `j` from bit `j` of the u32 at `qh` (the 5-bit types' high bits).
-#[cfg(target_arch = "x86_64")]
-#[inline(always)]
-unsafe fn fifth_bits(qh: *const u8) -> __m256i {
-    let bits = u32::from_le_bytes([*qh, *qh.add(1), *qh.add(2), *qh.add(3)]);
-    _mm256_maskz_mov_epi8(bits, _mm256_set1_epi8(0x10))
-}
-
 /// One row of `K` blocks at `b0` against `x`, two blocks to an instruction: per pair one
 /// 512-bit `vpdpbusd`, its 16 lanes scaled by each block's `d dx` (a vector of the two,
 /// spread to the lanes each block's sums are in), the offset or `m` terms summed apart; a
-/// last odd block in 256 bits ([`block`]).
+/// last odd block in 256 bits (`quant_gemv_int8_avx2::block`).
 ///
 /// # Safety
 /// AVX-512 F, BW, VL, VNNI, F16C and FMA; `b0` points at `x.d.len()` whole blocks.
@@ -261,10 +243,10 @@ unsafe fn dot_pairs<const K: u8>(b0: *const u8, x: &QuantizedX) -> f32 {
     let mut total =
         _mm512_reduce_add_ps(acc) + _mm_cvtss_f32(_mm_add_ss(terms, _mm_movehdup_ps(terms)));
     if n % 2 == 1 {
-        let (v, t) = block::<K>(b0.add((n - 1) * size), x, n - 1);
-        let v = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps::<1>(v));
-        let v = _mm_add_ps(v, _mm_movehl_ps(v, v));
-        total += _mm_cvtss_f32(_mm_add_ss(v, _mm_movehdup_ps(v))) + t;
+        // The last block alone, as the AVX2 kernel takes it (the same integer sum).
+        let (mut v, mut t) = (_mm256_setzero_ps(), 0f32);
+        quant_gemv_int8_avx2::block::<K>(b0.add((n - 1) * size), x, n - 1, &mut v, &mut t);
+        total += hsum(v) + t;
     }
     total
 }
@@ -274,45 +256,6 @@ unsafe fn dot_pairs<const K: u8>(b0: *const u8, x: &QuantizedX) -> f32 {
 #[inline(always)]
 pub(crate) unsafe fn read_u32(p: *const u8) -> u32 {
     u32::from_le_bytes([*p, *p.add(1), *p.add(2), *p.add(3)])
-}
-
-/// Block `i` of a row (at `b`) against block `i` of `x`: its 8 lanes of `d dx q qx` sums,
-/// and its offset or `m` term.
-///
-/// # Safety
-/// As [`dot_pairs`]; `b` points at a whole `K` block, `i` below `x.d.len()`.
-#[cfg(target_arch = "x86_64")]
-#[inline(always)]
-unsafe fn block<const K: u8>(b: *const u8, x: &QuantizedX, i: usize) -> (__m256, f32) {
-    use crate::kernels::decode::quant_gemv::kind::{Q4_0, Q4_1, Q5_0, Q8_0};
-    // The weight's integers as unsigned bytes, and the factor of the block's `dx sum qx`.
-    let d = half_at(b);
-    let (w, term) = match K {
-        Q8_0 => (
-            _mm256_xor_si256(
-                _mm256_loadu_si256(b.add(2) as *const __m256i),
-                _mm256_set1_epi8(-128),
-            ),
-            -128.0 * d,
-        ),
-        Q4_0 => (nibbles(b.add(2)), -8.0 * d),
-        Q4_1 => (nibbles(b.add(4)), half_at(b.add(2))),
-        Q5_0 => (
-            _mm256_or_si256(nibbles(b.add(6)), fifth_bits(b.add(2))),
-            -16.0 * d,
-        ),
-        _ => (
-            _mm256_or_si256(nibbles(b.add(8)), fifth_bits(b.add(4))),
-            half_at(b.add(2)),
-        ),
-    };
-    let xv = _mm256_loadu_si256(x.qs.as_ptr().add(32 * i) as *const __m256i);
-    let sums = _mm256_dpbusd_epi32(_mm256_setzero_si256(), w, xv);
-    let scale = _mm256_set1_ps(d * *x.d.get_unchecked(i));
-    (
-        _mm256_mul_ps(_mm256_cvtepi32_ps(sums), scale),
-        term * *x.dsum.get_unchecked(i),
-    )
 }
 
 #[cfg(test)]
