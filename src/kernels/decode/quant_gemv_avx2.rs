@@ -14,7 +14,9 @@ use crate::kernels::decode::quant_gemv::kind;
 #[cfg(target_arch = "x86_64")]
 use crate::kernels::decode::quant_gemv::ROW_KERNEL_TYPES;
 #[cfg(target_arch = "x86_64")]
-use crate::kernels::quant::blocks::scale_min_k4;
+use crate::kernels::decode::quant_gemv_int8_avx2::{fifth_bits, nibbles};
+#[cfg(target_arch = "x86_64")]
+use crate::kernels::quant::blocks::scales_mins_k4;
 use crate::kernels::quant::blocks::QuantType;
 
 /// Whether this CPU runs these kernels for `ty` (AVX2, FMA and F16C, and the instruction
@@ -84,13 +86,39 @@ pub(crate) unsafe fn hsum(v: __m256) -> f32 {
     _mm_cvtss_f32(_mm_add_ss(s, _mm_shuffle_ps(s, s, 1)))
 }
 
-/// The f16 at `p` as f32, with the CPU's conversion (exact).
+/// The f16 at `p` and `p + 2` as the f32 lanes `(a, b, 0, 0)`, with the CPU's conversion
+/// (exact). The four bytes are read by a `vmovd`, which writes its whole register: left to
+/// the compiler, the read shrinks to a 16-bit insert (`vpinsrw`) into whatever register it
+/// picks, and then waits for that register's last writer, often a loop's accumulator
+/// (Q8_0 rows were half again as slow so on Zen 4).
+///
+/// # Safety
+/// AVX and F16C (every caller's target has them); four readable bytes at `p`.
 #[cfg(target_arch = "x86_64")]
-#[inline]
-#[target_feature(enable = "avx2,fma,f16c")]
-unsafe fn half_at_ptr(p: *const u8) -> f32 {
-    let bits = u16::from_le_bytes([*p, *p.add(1)]);
-    _mm_cvtss_f32(_mm_cvtph_ps(_mm_cvtsi32_si128(i32::from(bits))))
+#[inline(always)]
+pub(crate) unsafe fn halves_at(p: *const u8) -> __m128 {
+    let bits: __m128i;
+    std::arch::asm!(
+        "vmovd {bits}, dword ptr [{p}]",
+        bits = out(xmm_reg) bits,
+        p = in(reg) p,
+        options(pure, readonly, nostack, preserves_flags),
+    );
+    _mm_cvtph_ps(bits)
+}
+
+/// The f16 at `p` as f32 ([`halves_at`]; four readable bytes at `p`).
+#[cfg(target_arch = "x86_64")]
+#[inline(always)]
+pub(crate) unsafe fn half_at(p: *const u8) -> f32 {
+    _mm_cvtss_f32(halves_at(p))
+}
+
+/// The f16 ending a block at `end` (Q6_K's `d`) as f32: read with the two bytes before it.
+#[cfg(target_arch = "x86_64")]
+#[inline(always)]
+pub(crate) unsafe fn half_before(end: *const u8) -> f32 {
+    _mm_cvtss_f32(_mm_movehdup_ps(halves_at(end.sub(4))))
 }
 
 /// Unsigned bytes `8 i..8 i + 8` of `v` as 8 i32 lanes.
@@ -105,16 +133,6 @@ unsafe fn u8_lanes(v: __m128i, half: bool) -> __m256i {
     }
 }
 
-/// `v + 16` in the lanes whose bit of `bits` (lane `i`: bit `i`) is set.
-#[cfg(target_arch = "x86_64")]
-#[inline]
-#[target_feature(enable = "avx2,fma,f16c")]
-unsafe fn add_16_where(v: __m256i, bits: u32) -> __m256i {
-    let sel = _mm256_setr_epi32(1, 2, 4, 8, 16, 32, 64, 128);
-    let set = _mm256_cmpeq_epi32(_mm256_and_si256(_mm256_set1_epi32(bits as i32), sel), sel);
-    _mm256_add_epi32(v, _mm256_and_si256(set, _mm256_set1_epi32(16)))
-}
-
 /// The 32 values of the block at `b` as four groups of 8 lanes (values `8 g..8 g + 8`), each
 /// made as gguf-py makes it: `q * d`, `d * (q - 8)`, `d * q + m`, `d * (q - 16)`.
 ///
@@ -124,7 +142,7 @@ unsafe fn add_16_where(v: __m256i, bits: u32) -> __m256i {
 #[inline]
 #[target_feature(enable = "avx2,fma,f16c")]
 unsafe fn block_values<const K: u8>(b: *const u8) -> [__m256; 4] {
-    let d = _mm256_set1_ps(half_at_ptr(b));
+    let d = _mm256_set1_ps(half_at(b));
     if K == Q8_0 {
         let q = b.add(2);
         let mut w = [_mm256_setzero_ps(); 4];
@@ -140,27 +158,19 @@ unsafe fn block_values<const K: u8>(b: *const u8) -> [__m256; 4] {
         Q5_0 => 6,
         _ => 8,
     };
-    let nibbles = _mm_set1_epi8(0x0F);
-    let v = _mm_loadu_si128(b.add(qs_at) as *const __m128i);
-    let (low, high) = (
-        _mm_and_si128(v, nibbles),
-        _mm_and_si128(_mm_srli_epi16(v, 4), nibbles),
-    );
-    // Values 0..16 are the low nibbles, 16..32 the high ones.
-    let mut q = [
+    // The values as bytes in order (low nibbles, then high), with the 5-bit types' fifth
+    // bits (bit j of `qh` for value j) put in; then 8 lanes at a time.
+    let mut v = nibbles(b.add(qs_at));
+    if K == Q5_0 || K == Q5_1 {
+        v = _mm256_or_si256(v, fifth_bits(b.add(if K == Q5_0 { 2 } else { 4 })));
+    }
+    let (low, high) = (_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
+    let q = [
         u8_lanes(low, false),
         u8_lanes(low, true),
         u8_lanes(high, false),
         u8_lanes(high, true),
     ];
-    if K == Q5_0 || K == Q5_1 {
-        // The fifth bits: bit j of `qh` for value j.
-        let at = if K == Q5_0 { 2 } else { 4 };
-        let qh = u32::from_le_bytes([*b.add(at), *b.add(at + 1), *b.add(at + 2), *b.add(at + 3)]);
-        for (g, lanes) in q.iter_mut().enumerate() {
-            *lanes = add_16_where(*lanes, (qh >> (8 * g)) & 0xFF);
-        }
-    }
     let mut w = [_mm256_setzero_ps(); 4];
     if K == Q4_0 || K == Q5_0 {
         // `d * (q - 8)`, `d * (q - 16)`: the offset on the integers (measured faster than
@@ -171,7 +181,7 @@ unsafe fn block_values<const K: u8>(b: *const u8) -> [__m256; 4] {
         }
     } else {
         // `d * q + m` in one fused step.
-        let m = _mm256_set1_ps(half_at_ptr(b.add(2)));
+        let m = _mm256_set1_ps(half_at(b.add(2)));
         for (wg, lanes) in w.iter_mut().zip(q) {
             *wg = _mm256_fmadd_ps(d, _mm256_cvtepi32_ps(lanes), m);
         }
@@ -228,8 +238,13 @@ unsafe fn dot_q4_k(row: &[u8], x: &[f32]) -> f32 {
     let nibbles = _mm256_set1_epi8(0x0F);
     for blk in 0..x.len() / 256 {
         let b = bp.add(blk * 144);
-        let (d, dmin) = (half_at_ptr(b), half_at_ptr(b.add(2)));
-        let sc = std::slice::from_raw_parts(b.add(4), 12);
+        // `dl` (`d * sc`) and `ml` of the 8 groups, lane g for group g.
+        let dm = halves_at(b);
+        let (sc, mins) = scales_mins_k4(&*(b.add(4) as *const [u8; 12]));
+        let u8_floats =
+            |v: u64| _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_cvtsi64_si128(v as i64)));
+        let dls = _mm256_mul_ps(_mm256_broadcastss_ps(dm), u8_floats(sc));
+        let mls = _mm256_mul_ps(_mm256_broadcastss_ps(_mm_movehdup_ps(dm)), u8_floats(mins));
         for p in 0..4 {
             let qs = _mm256_loadu_si256(b.add(16 + 32 * p) as *const __m256i);
             let (ql, qh) = (
@@ -238,10 +253,10 @@ unsafe fn dot_q4_k(row: &[u8], x: &[f32]) -> f32 {
             );
             let xg = xp.add(blk * 256 + 64 * p);
             for (half, q) in [ql, qh].into_iter().enumerate() {
-                let (s, m) = scale_min_k4(2 * p + half, sc);
+                let g = _mm256_set1_epi32((2 * p + half) as i32);
                 let (dl, ml) = (
-                    _mm256_set1_ps(d * f32::from(s)),
-                    _mm256_set1_ps(dmin * f32::from(m)),
+                    _mm256_permutevar8x32_ps(dls, g),
+                    _mm256_permutevar8x32_ps(mls, g),
                 );
                 fma_scaled_min(q, dl, ml, xg.add(32 * half), &mut acc);
             }
@@ -266,8 +281,16 @@ unsafe fn dot_q6_k(row: &[u8], x: &[f32]) -> f32 {
     let thirty_two = _mm256_set1_epi32(32);
     for blk in 0..x.len() / 256 {
         let b = bp.add(blk * 210);
-        let d = half_at_ptr(b.add(208));
-        let scales = b.add(192) as *const i8;
+        // `d * scales[g]`: lane g of `dls[g / 8]`.
+        let d = _mm256_set1_ps(half_before(b.add(210)));
+        let scales = _mm_loadu_si128(b.add(192) as *const __m128i);
+        let dls = [
+            _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(scales))),
+            _mm256_mul_ps(
+                d,
+                _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(scales, 8))),
+            ),
+        ];
         for h in 0..2 {
             let qh = _mm256_loadu_si256(b.add(128 + 32 * h) as *const __m256i);
             for t in 0..4 {
@@ -285,7 +308,8 @@ unsafe fn dot_q6_k(row: &[u8], x: &[f32]) -> f32 {
                 let xv = xp.add(blk * 256 + 128 * h + 32 * t);
                 for (k, a) in acc.iter_mut().enumerate() {
                     // Lanes 16 (k / 2)..: scale g + k / 2.
-                    let dl = _mm256_set1_ps(d * f32::from(*scales.add(g + k / 2)));
+                    let s = g + k / 2;
+                    let dl = _mm256_permutevar8x32_ps(dls[s / 8], _mm256_set1_epi32(s as i32 % 8));
                     let v = _mm256_sub_epi32(u8_lanes(halves[k / 2], k % 2 == 1), thirty_two);
                     let w = _mm256_mul_ps(dl, _mm256_cvtepi32_ps(v));
                     *a = _mm256_fmadd_ps(w, _mm256_loadu_ps(xv.add(8 * k)), *a);
@@ -297,4 +321,40 @@ unsafe fn dot_q6_k(row: &[u8], x: &[f32]) -> f32 {
         _mm256_add_ps(acc[0], acc[1]),
         _mm256_add_ps(acc[2], acc[3]),
     ))
+}
+
+#[cfg(all(test, target_arch = "x86_64"))]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn half_scales_convert_exactly() {
+        if !supports(QuantType::Q8_0) {
+            return;
+        }
+        for bits in (0..=u16::MAX).step_by(7) {
+            let other = bits.rotate_left(5);
+            let mut b = [0u8; 6];
+            b[..2].copy_from_slice(&other.to_le_bytes());
+            b[2..4].copy_from_slice(&bits.to_le_bytes());
+            b[4..].copy_from_slice(&other.to_le_bytes());
+            let want = half::f16::from_bits(bits).to_f32();
+            // SAFETY: F16C checked above; four bytes readable at each pointer.
+            let got = unsafe {
+                let pair = halves_at(b.as_ptr().add(2));
+                [
+                    half_at(b.as_ptr().add(2)),
+                    half_before(b.as_ptr().add(4)),
+                    _mm_cvtss_f32(pair),
+                    _mm_cvtss_f32(_mm_movehdup_ps(halves_at(b.as_ptr()))),
+                ]
+            };
+            for g in got {
+                assert!(
+                    g.to_bits() == want.to_bits() || (g.is_nan() && want.is_nan()),
+                    "{bits:#x}"
+                );
+            }
+        }
+    }
 }

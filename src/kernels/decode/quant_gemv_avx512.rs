@@ -18,7 +18,9 @@ use crate::kernels::decode::quant_gemv::kind;
 #[cfg(target_arch = "x86_64")]
 use crate::kernels::decode::quant_gemv::ROW_KERNEL_TYPES;
 #[cfg(target_arch = "x86_64")]
-use crate::kernels::quant::blocks::scale_min_k4;
+use crate::kernels::decode::quant_gemv_avx2::{half_at, half_before, halves_at};
+#[cfg(target_arch = "x86_64")]
+use crate::kernels::quant::blocks::scales_mins_k4;
 use crate::kernels::quant::blocks::QuantType;
 #[cfg(target_arch = "x86_64")]
 use crate::kernels::simd::{isa, Isa};
@@ -82,26 +84,23 @@ unsafe fn dot_q4_k(row: &[u8], x: &[f32]) -> f32 {
     let (bp, xp) = (row.as_ptr(), x.as_ptr());
     let mut acc = [_mm512_setzero_ps(); 4];
     let iota = iota16();
+    // Lanes 0..8 pick `d`, lanes 8..16 `dmin`.
+    let d_then_dmin = _mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1);
     for blk in 0..x.len() / 256 {
         let b = bp.add(blk * 144);
-        let (d, dmin) = (half_at_ptr(b), half_at_ptr(b.add(2)));
-        let sc = std::slice::from_raw_parts(b.add(4), 12);
+        // Lanes 0..8: `dl` of the 8 groups (`d * sc`); lanes 8..16: their `ml`.
+        let dm = _mm512_castps128_ps512(halves_at(b));
+        let dm = _mm512_permutexvar_ps(d_then_dmin, dm);
+        let (sc, mins) = scales_mins_k4(&*(b.add(4) as *const [u8; 12]));
+        let sm = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_set_epi64x(mins as i64, sc as i64)));
+        let sm = _mm512_mul_ps(dm, sm);
         for p in 0..4 {
             let qs = b.add(16 + 32 * p) as *const __m128i;
             let xg = xp.add(blk * 256 + 64 * p);
             // Group 2p: the low nibbles; group 2p + 1: the high ones.
-            let (s0, m0) = scale_min_k4(2 * p, sc);
-            let (s1, m1) = scale_min_k4(2 * p + 1, sc);
-            let t0 = _mm512_fmsub_ps(
-                _mm512_set1_ps(d * s0 as f32),
-                iota,
-                _mm512_set1_ps(dmin * m0 as f32),
-            );
-            let t1 = _mm512_fmsub_ps(
-                _mm512_set1_ps(d * s1 as f32),
-                iota,
-                _mm512_set1_ps(dmin * m1 as f32),
-            );
+            let lane = |i: usize| _mm512_permutexvar_ps(_mm512_set1_epi32(i as i32), sm);
+            let t0 = _mm512_fmsub_ps(lane(2 * p), iota, lane(8 + 2 * p));
+            let t1 = _mm512_fmsub_ps(lane(2 * p + 1), iota, lane(9 + 2 * p));
             for h in 0..2 {
                 // Lane j: byte 16 h + j, its low nibble in group 2p, its high one in 2p + 1.
                 let bytes = _mm512_cvtepu8_epi32(_mm_loadu_si128(qs.add(h)));
@@ -129,8 +128,11 @@ unsafe fn dot_q6_k(row: &[u8], x: &[f32]) -> f32 {
     let thirty_two = _mm512_set1_epi32(32);
     for blk in 0..x.len() / 256 {
         let b = bp.add(blk * 210);
-        let d = half_at_ptr(b.add(208));
-        let scales = b.add(192) as *const i8;
+        // `d * scales[g]` in lane g.
+        let scales = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(
+            b.add(192) as *const __m128i
+        )));
+        let dl = _mm512_mul_ps(_mm512_set1_ps(half_before(b.add(210))), scales);
         for h in 0..2 {
             let qh = _mm256_loadu_si256(b.add(128 + 32 * h) as *const __m256i);
             for t in 0..4 {
@@ -144,8 +146,8 @@ unsafe fn dot_q6_k(row: &[u8], x: &[f32]) -> f32 {
                     _mm256_and_si256(_mm256_srl_epi16(qh, _mm_cvtsi32_si128(2 * t as i32)), twos);
                 let q = _mm256_or_si256(low, _mm256_slli_epi16(high, 4));
                 let g = 8 * h + 2 * t;
-                let dl0 = _mm512_set1_ps(d * f32::from(*scales.add(g)));
-                let dl1 = _mm512_set1_ps(d * f32::from(*scales.add(g + 1)));
+                let dl0 = _mm512_permutexvar_ps(_mm512_set1_epi32(g as i32), dl);
+                let dl1 = _mm512_permutexvar_ps(_mm512_set1_epi32(g as i32 + 1), dl);
                 let v0 =
                     _mm512_sub_epi32(_mm512_cvtepu8_epi32(_mm256_castsi256_si128(q)), thirty_two);
                 let v1 = _mm512_sub_epi32(
@@ -198,15 +200,6 @@ unsafe fn dot_blocks<const K: u8>(row: &[u8], x: &[f32]) -> f32 {
     _mm512_reduce_add_ps(sum)
 }
 
-/// The f16 at `p` as f32, with the CPU's conversion (exact, as `half`'s).
-#[cfg(target_arch = "x86_64")]
-#[inline]
-#[target_feature(enable = "avx512f")]
-unsafe fn half_at_ptr(p: *const u8) -> f32 {
-    let bits = u16::from_le_bytes([*p, *p.add(1)]);
-    _mm_cvtss_f32(_mm_cvtph_ps(_mm_cvtsi32_si128(i32::from(bits))))
-}
-
 /// `0, 1, ..., 15` as f32 lanes.
 #[cfg(target_arch = "x86_64")]
 #[inline]
@@ -247,7 +240,7 @@ unsafe fn halves_at_ptr(p: *const u8) -> (__m512, __m512) {
 #[target_feature(enable = "avx512f")]
 unsafe fn block_values<const K: u8>(b: *const u8) -> (__m512, __m512) {
     if K == Q8_0 {
-        let d = _mm512_set1_ps(half_at_ptr(b));
+        let d = _mm512_set1_ps(half_at(b));
         let q = b.add(2) as *const __m128i;
         let lo = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(q)));
         let hi = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(q.add(1))));
@@ -311,28 +304,6 @@ unsafe fn block_values<const K: u8>(b: *const u8) -> (__m512, __m512) {
                 _mm512_permutex2var_ps(t0, lo, t1),
                 _mm512_permutex2var_ps(t0, hi, t1),
             )
-        }
-    }
-}
-
-#[cfg(all(test, target_arch = "x86_64"))]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn half_scales_convert_exactly() {
-        if !matches!(isa(), Isa::Avx512) {
-            return;
-        }
-        for bits in (0..=u16::MAX).step_by(7) {
-            let b = bits.to_le_bytes();
-            // SAFETY: AVX-512F checked above.
-            let got = unsafe { half_at_ptr(b.as_ptr()) };
-            let want = half::f16::from_bits(bits).to_f32();
-            assert!(
-                got.to_bits() == want.to_bits() || (got.is_nan() && want.is_nan()),
-                "{bits:#x}"
-            );
         }
     }
 }

@@ -63,7 +63,7 @@ pub(crate) unsafe fn nibbles(qs: *const u8) -> __m256i {
 /// each byte of the broadcast bits picked for its 8 lanes, then compared whole.
 #[cfg(target_arch = "x86_64")]
 #[inline(always)]
-unsafe fn fifth_bits(qh: *const u8) -> __m256i {
+pub(crate) unsafe fn fifth_bits(qh: *const u8) -> __m256i {
     use crate::kernels::decode::quant_gemv_vnni::read_u32;
     let bits = _mm256_set1_epi32(read_u32(qh) as i32);
     let spread = _mm256_shuffle_epi8(
@@ -123,7 +123,7 @@ pub(crate) unsafe fn block<const K: u8>(
     terms: &mut f32,
 ) {
     use crate::kernels::decode::quant_gemv::kind::{Q4_0, Q4_1, Q5_0, Q8_0};
-    use crate::kernels::decode::quant_gemv_vnni::half_at;
+    use crate::kernels::decode::quant_gemv_avx2::half_at;
     let d = half_at(b);
     let xv = _mm256_loadu_si256(x.qs.as_ptr().add(32 * i) as *const __m256i);
     let (w, xv, term) = match K {

@@ -144,14 +144,6 @@ pub(crate) fn row_dot(ty: QuantType, row: &[u8], x: &QuantizedX) -> Option<f32> 
     }
 }
 
-/// The f16 at `p` as f32.
-#[cfg(target_arch = "x86_64")]
-#[inline(always)]
-pub(crate) unsafe fn half_at(p: *const u8) -> f32 {
-    let bits = u16::from_le_bytes([*p, *p.add(1)]);
-    _mm_cvtss_f32(_mm_cvtph_ps(_mm_cvtsi32_si128(i32::from(bits))))
-}
-
 /// One row of `K` blocks at `b0` against `x`, two blocks to an instruction: per pair one
 /// 512-bit `vpdpbusd`, its 16 lanes scaled by each block's `d dx` (a vector of the two,
 /// spread to the lanes each block's sums are in), the offset or `m` terms summed apart; a

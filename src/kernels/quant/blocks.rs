@@ -348,6 +348,18 @@ pub(crate) fn scale_min_k4(j: usize, q: &[u8]) -> (u8, u8) {
     }
 }
 
+/// All 8 scales and all 8 mins of a Q4_K / Q5_K block's 12 scale bytes at once, byte `j`
+/// of each for group `j` (as [`scale_min_k4`], with llama.cpp's masks over 32-bit words).
+#[cfg_attr(not(target_arch = "x86_64"), allow(dead_code))]
+pub(crate) fn scales_mins_k4(q: &[u8; 12]) -> (u64, u64) {
+    let word = |i: usize| u32::from_le_bytes([q[4 * i], q[4 * i + 1], q[4 * i + 2], q[4 * i + 3]]);
+    let (u0, u1, u2) = (word(0), word(1), word(2));
+    let (six, four, two) = (0x3f3f_3f3f, 0x0f0f_0f0f, 0x0303_0303);
+    let scales = u64::from(u0 & six) | u64::from((u2 & four) | (((u0 >> 6) & two) << 4)) << 32;
+    let mins = u64::from(u1 & six) | u64::from(((u2 >> 4) & four) | (((u1 >> 6) & two) << 4)) << 32;
+    (scales, mins)
+}
+
 /// `{ f16 d; f16 dmin; u8 scales[12]; u8 qs[128] }`: 8 groups of 32 values; group `2p` is
 /// the low nibbles of `qs[32p..32p + 32]`, group `2p + 1` their high nibbles.
 #[inline]
@@ -406,6 +418,24 @@ pub(crate) mod tests {
     use super::*;
     use candle_core::quantized::{GgmlDType, QTensor};
     use candle_core::{Device, Tensor};
+
+    #[test]
+    fn all_k4_scales_and_mins_unpack_as_each_alone() {
+        for seed in 0..64u32 {
+            let q: [u8; 12] = std::array::from_fn(|i| {
+                (seed.wrapping_mul(2654435761).rotate_left(i as u32 * 3) >> 7) as u8
+            });
+            let (scales, mins) = scales_mins_k4(&q);
+            for j in 0..8 {
+                let (s, m) = scale_min_k4(j, &q);
+                assert_eq!(
+                    ((scales >> (8 * j)) as u8, (mins >> (8 * j)) as u8),
+                    (s, m),
+                    "{seed} {j}"
+                );
+            }
+        }
+    }
 
     /// candle's name of `ty` (its quantizer is the tests' source of blocks).
     pub(crate) fn ggml(ty: QuantType) -> GgmlDType {
