@@ -455,6 +455,17 @@ impl GgufFile {
         }
     }
 
+    /// The file's bytes (a tensor's are at its `range` in them).
+    pub(crate) fn file_bytes(&self) -> &[u8] {
+        self.inner.bytes.as_slice()
+    }
+
+    /// The byte range of a readable tensor's data in [`GgufFile::file_bytes`].
+    pub(crate) fn tensor_range(&self, name: &str) -> Result<std::ops::Range<usize>> {
+        self.tensor_data(name)?;
+        Ok(self.tensor_info(name)?.range.clone())
+    }
+
     /// The stored bytes of a tensor and its type; a type this crate cannot read is an
     /// [`Error::UnsupportedGguf`] naming the tensor and the type.
     pub fn tensor_data(&self, name: &str) -> Result<(QuantType, &[u8])> {

@@ -14,7 +14,7 @@ use rayon::prelude::*;
 
 use crate::error::{Error, Result};
 use crate::kernels::decode::gemv::output_like;
-use crate::kernels::decode::quant_gemv::quant_gemv;
+use crate::kernels::decode::quant_gemv::{quant_gemv, quant_gemv_gated, quant_gemv_parts};
 use crate::kernels::gemm::matrix::MatRef;
 use crate::kernels::gemm::packed::{self, PackedWeight};
 use crate::kernels::quant::blocks::{self, QuantType};
@@ -24,8 +24,9 @@ use crate::weights::gguf_layout::unpermuted_order;
 /// Where a weight's blocks are.
 #[derive(Clone)]
 enum Blocks {
-    /// In the file's map, as stored.
-    File(GgufFile),
+    /// In the file's map, as stored: the range of the file's bytes (found once at load, not
+    /// by name on every product).
+    File(GgufFile, std::ops::Range<usize>),
     /// Rows reordered at load (llama.cpp's rotary order undone).
     Owned(Arc<Vec<u8>>),
 }
@@ -92,7 +93,7 @@ impl QuantWeight {
             });
         }
         Ok(Some(Self {
-            blocks: Blocks::File(file.clone()),
+            blocks: Blocks::File(file.clone(), file.tensor_range(name)?),
             name: name.to_string(),
             ty,
             rows,
@@ -103,7 +104,9 @@ impl QuantWeight {
 
     fn data(&self) -> Result<&[u8]> {
         match &self.blocks {
-            Blocks::File(f) => Ok(f.tensor_data(&self.name)?.1),
+            Blocks::File(f, range) => f.file_bytes().get(range.clone()).ok_or_else(|| {
+                Error::Kernel(format!("`{}`: its range is outside its file", self.name))
+            }),
             Blocks::Owned(v) => Ok(v),
         }
     }
@@ -219,6 +222,18 @@ impl QuantWeight {
         let Some((xs, rows)) = cpu_rows(x)? else {
             return Ok(None);
         };
+        if rows <= FEW_ROWS {
+            // A decode step: each task multiplies its rows of both and combines them.
+            let (gd, ud) = ((gate.ty, gate.data()?), (up.ty, up.data()?));
+            let mut y = vec![0f32; rows * gate.rows];
+            for (xr, yr) in xs
+                .chunks_exact(gate.cols)
+                .zip(y.chunks_exact_mut(gate.rows))
+            {
+                quant_gemv_gated(gd, ud, xr, yr)?;
+            }
+            return Ok(Some(output_like(x, y, gate.rows)?));
+        }
         let (Some(mut g), Some(u)) = (
             gate.product_values(&xs, rows)?,
             up.product_values(&xs, rows)?,
@@ -263,6 +278,35 @@ impl QuantWeight {
         };
         let m = MatRef::row_major(xs, rows, self.cols)?;
         Ok(Some(packed::linear(m, &w, 0..1, None)?))
+    }
+
+    /// `x W_p^T` for the weights `parts` (of one input width) stacked along the outputs,
+    /// `(..., sum of their rows)`, for a few f32 rows on the CPU: one pass over the threads
+    /// per row for all of them ([`quant_gemv_parts`]); `Ok(None)` elsewhere (each part's
+    /// [`QuantWeight::forward`] then).
+    pub(crate) fn stacked_rows(parts: &[Self], x: &Tensor) -> Result<Option<Tensor>> {
+        let Some(cols) = parts.first().map(|p| p.cols) else {
+            return Ok(None);
+        };
+        if parts.iter().any(|p| p.cols != cols) || x.dim(D::Minus1)? != cols {
+            return Ok(None);
+        }
+        let Some((xs, rows)) = cpu_rows(x)? else {
+            return Ok(None);
+        };
+        if rows > FEW_ROWS {
+            return Ok(None);
+        }
+        let data = parts
+            .iter()
+            .map(|p| Ok((p.ty, p.data()?)))
+            .collect::<Result<Vec<_>>>()?;
+        let out: usize = parts.iter().map(|p| p.rows).sum();
+        let mut y = vec![0f32; rows * out];
+        for (xr, yr) in xs.chunks_exact(cols).zip(y.chunks_exact_mut(out)) {
+            quant_gemv_parts(&data, xr, yr)?;
+        }
+        Ok(Some(output_like(x, y, out)?))
     }
 
     /// The rows `ids` (an embedding lookup), dequantized on the CPU: `(..., cols)` f32 for

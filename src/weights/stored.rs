@@ -116,6 +116,9 @@ impl StoredWeight {
         let Self::Quantized(parts) = self else {
             return Ok(None);
         };
+        if let Some(y) = QuantWeight::stacked_rows(parts, x)? {
+            return Ok(Some(y));
+        }
         let outs = parts
             .iter()
             .map(|q| q.forward(x))

@@ -109,35 +109,108 @@ pub(crate) fn quant_gemv(
     bias: Option<&[f32]>,
     y: &mut [f32],
 ) -> Result<()> {
-    let (out, inp) = (y.len(), x.len());
-    let row_bytes = ty
-        .bytes_of(inp)
-        .ok_or_else(|| Error::Kernel(format!("rows of {inp} values are not whole {ty} blocks")))?;
-    if data.len() != out * row_bytes || bias.is_some_and(|b| b.len() != out) {
+    if bias.is_some_and(|b| b.len() != y.len()) {
         return Err(Error::Kernel(format!(
-            "{ty} product of {} bytes by {inp} inputs into {out} outputs",
-            data.len()
+            "a bias of {:?} values for {} outputs",
+            bias.map(<[f32]>::len),
+            y.len()
         )));
     }
-    product(ty, data, x, bias, y, row_bytes, int8_activations())
+    quant_gemv_parts(&[(ty, data)], x, y)?;
+    if let Some(b) = bias {
+        for (yv, bv) in y.iter_mut().zip(b) {
+            *yv += bv;
+        }
+    }
+    Ok(())
 }
 
-/// [`quant_gemv`] for sizes checked (`row_bytes` a row's), with 8-bit activations where
-/// `int8` and this CPU and type have them.
-fn product(
-    ty: QuantType,
-    data: &[u8],
+/// [`quant_gemv`] for weights of one input width stacked along the outputs (`parts`: each
+/// weight's type and rows; Q, K and V, or a gate and its up projection), in one pass over the
+/// threads: `y` holds the parts' outputs one after the other.
+pub(crate) fn quant_gemv_parts(
+    parts: &[(QuantType, &[u8])],
     x: &[f32],
-    bias: Option<&[f32]>,
     y: &mut [f32],
-    row_bytes: usize,
-    int8: bool,
+) -> Result<()> {
+    let inp = x.len();
+    let mut shaped = Vec::with_capacity(parts.len());
+    for &(ty, data) in parts {
+        let row_bytes = ty
+            .bytes_of(inp)
+            .filter(|&rb| rb > 0 && data.len() % rb == 0)
+            .ok_or_else(|| {
+                Error::Kernel(format!(
+                    "{} bytes of {ty} are no whole rows of {inp} values",
+                    data.len()
+                ))
+            })?;
+        shaped.push((ty, data, row_bytes, data.len() / row_bytes));
+    }
+    let out: usize = shaped.iter().map(|p| p.3).sum();
+    if out != y.len() {
+        return Err(Error::Kernel(format!(
+            "products of {out} rows by {inp} inputs into {} outputs",
+            y.len()
+        )));
+    }
+    product(&shaped, x, y, int8_activations())
+}
+
+/// `y[j] = silu(W_g[j] x) * (W_u[j] x)` (`silu(g) = g / (1 + e^-g)`, as candle's) for a gate
+/// and an up projection of the same shape, `(y.len(), x.len())`, stored as `gate.0` and
+/// `up.0` rows: each task multiplies its rows of both and combines them, one pass over the
+/// threads for the MLP's first half.
+pub(crate) fn quant_gemv_gated(
+    gate: (QuantType, &[u8]),
+    up: (QuantType, &[u8]),
+    x: &[f32],
+    y: &mut [f32],
 ) -> Result<()> {
     let (out, inp) = (y.len(), x.len());
+    let mut shaped = [(gate.0, gate.1, 0, out), (up.0, up.1, 0, out)];
+    for part in &mut shaped {
+        let (ty, data) = (part.0, part.1);
+        part.2 = ty
+            .bytes_of(inp)
+            .filter(|&rb| data.len() == out * rb)
+            .ok_or_else(|| {
+                Error::Kernel(format!(
+                    "{} bytes of {ty} are not {out} rows of {inp} values",
+                    data.len()
+                ))
+            })?;
+    }
+    let int8 = int8_activations();
+    let int8_kernel = |ty: QuantType| int8_row_kernel(ty, int8);
+    let xq = if shaped.iter().any(|p| int8_kernel(p.0).is_some()) {
+        QuantizedX::new(x)
+    } else {
+        None
+    };
+    let [(gt, gd, grb, _), (ut, ud, urb, _)] = shaped;
     let len = task_len(out, GROUP, ROWS_PER_TASK);
-    let row_dot = row_kernel(ty);
-    // 8-bit activations: AVX-512 VNNI, else AVX2 (`None`: exact).
-    let int8_dot: Option<Int8Dot> = if !int8 {
+    let work = |(c, ys): (usize, &mut [f32])| -> Result<()> {
+        let j0 = c * len;
+        rows_of(gt, gd, grb, x, int8_kernel(gt).zip(xq.as_ref()), j0, ys)?;
+        let mut u = [0f32; ROWS_PER_TASK];
+        let u = &mut u[..ys.len()];
+        rows_of(ut, ud, urb, x, int8_kernel(ut).zip(xq.as_ref()), j0, u)?;
+        for (g, &u) in ys.iter_mut().zip(u.iter()) {
+            *g = *g / (1.0 + (-*g).exp()) * u;
+        }
+        Ok(())
+    };
+    if 2 * out * inp < 1 << 16 {
+        y.chunks_mut(len).enumerate().try_for_each(work)
+    } else {
+        keep_warm::run(|| y.par_chunks_mut(len).enumerate().try_for_each(work))
+    }
+}
+
+/// The 8-bit row kernel for `ty` where `int8` and this CPU has one: AVX-512 VNNI, else AVX2.
+fn int8_row_kernel(ty: QuantType, int8: bool) -> Option<Int8Dot> {
+    if !int8 {
         None
     } else if quant_gemv_vnni::supports(ty) {
         Some(quant_gemv_vnni::row_dot)
@@ -145,52 +218,100 @@ fn product(
         Some(quant_gemv_int8_avx2::row_dot)
     } else {
         None
-    };
-    let xq = int8_dot.and_then(|dot| QuantizedX::new(x).map(|q| (dot, q)));
-    let work = |(c, ys): (usize, &mut [f32])| -> Result<()> {
-        let j0 = c * len;
-        if let Some((int8_dot, xq)) = &xq {
-            // 8-bit activations (opted in): each row's integers against `x` quantized.
-            for (r, yv) in ys.iter_mut().enumerate() {
-                let at = (j0 + r) * row_bytes;
-                *yv = int8_dot(ty, &data[at..at + row_bytes], xq)
-                    .ok_or_else(|| Error::Kernel(format!("{ty}: no 8-bit row kernel")))?;
-            }
-        } else if let Some(row_dot) = row_dot {
-            // Each row unpacked in registers and summed as it is read.
-            for (r, yv) in ys.iter_mut().enumerate() {
-                let at = (j0 + r) * row_bytes;
-                *yv = row_dot(ty, &data[at..at + row_bytes], x)
-                    .ok_or_else(|| Error::Kernel(format!("{ty}: no row kernel")))?;
-            }
-        } else {
-            with_scratch(GROUP * inp, |rows| {
-                for (g, yg) in ys.chunks_mut(GROUP).enumerate() {
-                    let first = j0 + g * GROUP;
-                    let (n, at) = (yg.len(), first * row_bytes);
-                    let w = &mut rows[..n * inp];
-                    if !blocks::dequantize(ty, &data[at..at + n * row_bytes], w) {
-                        return Err(Error::Kernel(format!(
-                            "{ty} rows {first}.. do not dequantize"
-                        )));
-                    }
-                    dot_rows(w, x, yg);
-                }
-                Ok(())
-            })?;
-        }
-        if let Some(b) = bias {
-            for (yv, bv) in ys.iter_mut().zip(&b[j0..]) {
-                *yv += bv;
-            }
-        }
-        Ok(())
-    };
-    if out * inp < 1 << 16 {
-        y.chunks_mut(len).enumerate().try_for_each(work)
-    } else {
-        keep_warm::run(|| y.par_chunks_mut(len).enumerate().try_for_each(work))
     }
+}
+
+/// [`quant_gemv_parts`] for sizes checked (`parts`: type, bytes, a row's bytes, rows), with
+/// 8-bit activations where `int8` and this CPU and type have them.
+fn product(
+    parts: &[(QuantType, &[u8], usize, usize)],
+    x: &[f32],
+    y: &mut [f32],
+    int8: bool,
+) -> Result<()> {
+    // 8-bit activations: AVX-512 VNNI, else AVX2 (`None`: exact).
+    let int8_kernel = |ty: QuantType| int8_row_kernel(ty, int8);
+    let xq = if parts.iter().any(|p| int8_kernel(p.0).is_some()) {
+        QuantizedX::new(x)
+    } else {
+        None
+    };
+    // The tasks: each part's rows in runs of `task_len`.
+    let mut tasks = Vec::new();
+    let mut rest = y;
+    for &(ty, data, row_bytes, rows) in parts {
+        let (mine, others) = rest.split_at_mut(rows);
+        rest = others;
+        let len = task_len(rows, GROUP, ROWS_PER_TASK);
+        for (c, ys) in mine.chunks_mut(len).enumerate() {
+            tasks.push((ty, data, row_bytes, c * len, ys));
+        }
+    }
+    let inp = x.len();
+    let work =
+        |(ty, data, row_bytes, j0, ys): &mut (QuantType, &[u8], usize, usize, &mut [f32])| {
+            rows_of(
+                *ty,
+                data,
+                *row_bytes,
+                x,
+                int8_kernel(*ty).zip(xq.as_ref()),
+                *j0,
+                ys,
+            )
+        };
+    let total: usize = parts.iter().map(|p| p.3).sum();
+    if total * inp < 1 << 16 {
+        tasks.iter_mut().try_for_each(work)
+    } else {
+        keep_warm::run(|| tasks.par_iter_mut().try_for_each(work))
+    }
+}
+
+/// `ys[r] = W[j0 + r] x` for the `ty` rows of `row_bytes` each in `data`: with the 8-bit
+/// kernel and `x` quantized where given, else on the row kernels, else four rows at a time
+/// dequantized into scratch.
+fn rows_of(
+    ty: QuantType,
+    data: &[u8],
+    row_bytes: usize,
+    x: &[f32],
+    int8: Option<(Int8Dot, &QuantizedX)>,
+    j0: usize,
+    ys: &mut [f32],
+) -> Result<()> {
+    let inp = x.len();
+    if let Some((int8_dot, xq)) = int8 {
+        // 8-bit activations (opted in): each row's integers against `x` quantized.
+        for (r, yv) in ys.iter_mut().enumerate() {
+            let at = (j0 + r) * row_bytes;
+            *yv = int8_dot(ty, &data[at..at + row_bytes], xq)
+                .ok_or_else(|| Error::Kernel(format!("{ty}: no 8-bit row kernel")))?;
+        }
+    } else if let Some(row_dot) = row_kernel(ty) {
+        // Each row unpacked in registers and summed as it is read.
+        for (r, yv) in ys.iter_mut().enumerate() {
+            let at = (j0 + r) * row_bytes;
+            *yv = row_dot(ty, &data[at..at + row_bytes], x)
+                .ok_or_else(|| Error::Kernel(format!("{ty}: no row kernel")))?;
+        }
+    } else {
+        with_scratch(GROUP * inp, |rows| {
+            for (g, yg) in ys.chunks_mut(GROUP).enumerate() {
+                let first = j0 + g * GROUP;
+                let (n, at) = (yg.len(), first * row_bytes);
+                let w = &mut rows[..n * inp];
+                if !blocks::dequantize(ty, &data[at..at + n * row_bytes], w) {
+                    return Err(Error::Kernel(format!(
+                        "{ty} rows {first}.. do not dequantize"
+                    )));
+                }
+                dot_rows(w, x, yg);
+            }
+            Ok(())
+        })?;
+    }
+    Ok(())
 }
 
 #[cfg(test)]
@@ -311,6 +432,78 @@ mod tests {
         Ok(())
     }
 
+    /// Weights of different types and row counts stacked in one product: each part's
+    /// outputs equal its own product bit for bit (the same row kernels on the same rows);
+    /// parts whose rows do not fit the outputs or the input width are errors.
+    #[test]
+    fn stacked_parts_equal_their_own_products() -> candle_core::Result<()> {
+        let inp = 512;
+        let x = crate::kernels::test_values(inp, 3);
+        let mut parts = Vec::new();
+        for (i, (ty, rows)) in [
+            (QuantType::Q4_1, 200),
+            (QuantType::Q8_0, 72),
+            (QuantType::Q6K, 130),
+        ]
+        .into_iter()
+        .enumerate()
+        {
+            let w = crate::kernels::test_values(rows * inp, 10 + i);
+            let q = QTensor::quantize(&Tensor::from_vec(w, (rows, inp), &Device::Cpu)?, ggml(ty))?;
+            parts.push((ty, q.data()?.to_vec(), rows));
+        }
+        let mut want = Vec::new();
+        for (ty, bytes, rows) in &parts {
+            let mut y = vec![0f32; *rows];
+            quant_gemv(*ty, bytes, &x, None, &mut y).map_err(crate::Error::into_candle)?;
+            want.extend(y);
+        }
+        let stacked: Vec<(QuantType, &[u8])> =
+            parts.iter().map(|(ty, b, _)| (*ty, b.as_slice())).collect();
+        let mut got = vec![f32::NAN; want.len()];
+        quant_gemv_parts(&stacked, &x, &mut got).map_err(crate::Error::into_candle)?;
+        assert_eq!(
+            got.iter().map(|v| v.to_bits()).collect::<Vec<_>>(),
+            want.iter().map(|v| v.to_bits()).collect::<Vec<_>>()
+        );
+        assert!(quant_gemv_parts(&stacked, &x, &mut got[1..]).is_err());
+        assert!(quant_gemv_parts(&stacked, &x[..480], &mut got).is_err());
+        let torn = [(QuantType::Q4_1, &parts[0].1[..parts[0].1.len() - 1])];
+        assert!(quant_gemv_parts(&torn, &x, &mut got[..199]).is_err());
+        Ok(())
+    }
+
+    /// The gated product equals `silu` of the gate's own product times the up projection's,
+    /// bit for bit, for a gate and up of different types over several tasks; shapes that do
+    /// not fit are errors.
+    #[test]
+    fn gated_product_is_silu_of_the_gate_times_the_up() -> candle_core::Result<()> {
+        let (out, inp) = (700, 256);
+        let x = crate::kernels::test_values(inp, 5);
+        let mut weights = Vec::new();
+        for (i, ty) in [QuantType::Q4K, QuantType::Q5_0].into_iter().enumerate() {
+            let w = crate::kernels::test_values(out * inp, 20 + i);
+            let q = QTensor::quantize(&Tensor::from_vec(w, (out, inp), &Device::Cpu)?, ggml(ty))?;
+            weights.push((ty, q.data()?.to_vec()));
+        }
+        let (mut g, mut u) = (vec![0f32; out], vec![0f32; out]);
+        let (gate, up) = (
+            (weights[0].0, &weights[0].1[..]),
+            (weights[1].0, &weights[1].1[..]),
+        );
+        quant_gemv(gate.0, gate.1, &x, None, &mut g).map_err(crate::Error::into_candle)?;
+        quant_gemv(up.0, up.1, &x, None, &mut u).map_err(crate::Error::into_candle)?;
+        let mut got = vec![f32::NAN; out];
+        quant_gemv_gated(gate, up, &x, &mut got).map_err(crate::Error::into_candle)?;
+        for j in 0..out {
+            let want = g[j] / (1.0 + (-g[j]).exp()) * u[j];
+            assert_eq!(got[j].to_bits(), want.to_bits(), "row {j}");
+        }
+        assert!(quant_gemv_gated(gate, up, &x, &mut got[1..]).is_err());
+        assert!(quant_gemv_gated(gate, (up.0, &up.1[1..]), &x, &mut got).is_err());
+        Ok(())
+    }
+
     /// With 8-bit activations (where this CPU has them): every type's product within the
     /// quantization of `x` of the exact one (`sum |w| dx / 2` a block, `dx = max|x| / 127`),
     /// rows split over tasks as the exact path splits them; the bias added.
@@ -327,8 +520,11 @@ mod tests {
             let bias = crate::kernels::test_values(out, 4);
             let row_bytes = bytes.len() / out;
             let mut got = vec![f32::NAN; out];
-            product(ty, &bytes, &x, Some(&bias), &mut got, row_bytes, true)
+            product(&[(ty, &bytes, row_bytes, out)], &x, &mut got, true)
                 .map_err(crate::Error::into_candle)?;
+            for (g, b) in got.iter_mut().zip(&bias) {
+                *g += b;
+            }
             for (j, g) in got.iter().enumerate() {
                 let row = &deq[j * inp..(j + 1) * inp];
                 let exact: f64 = row
