@@ -13,8 +13,9 @@ use candle_nn::Linear;
 use rayon::prelude::*;
 
 use crate::error::{Error, Result};
+use crate::kernels::cpu_tensor::CpuF32;
 use crate::kernels::decode::gemv::output_like;
-use crate::kernels::decode::quant_gemv::{quant_gemv, quant_gemv_gated, quant_gemv_parts};
+use crate::kernels::decode::quant_gemv::{quant_gemv_gated, quant_gemv_parts};
 use crate::kernels::gemm::matrix::MatRef;
 use crate::kernels::gemm::packed::{self, PackedWeight};
 use crate::kernels::quant::blocks::{self, QuantType};
@@ -35,16 +36,74 @@ enum Blocks {
 /// dequantized once for the call (a prompt), into packed panels on the CPU.
 const FEW_ROWS: usize = 8;
 
-/// `x`'s values and its number of rows when it is f32 on the CPU and tracks no gradient
-/// (what this crate's kernels take).
-fn cpu_rows(x: &Tensor) -> Result<Option<(Vec<f32>, usize)>> {
+/// `f` on `x`'s values (borrowed when `x` is contiguous, else copied once) and its number of
+/// rows, when `x` is f32 on the CPU and tracks no gradient (what this crate's kernels take);
+/// `Ok(None)` otherwise.
+fn with_cpu_rows<R>(
+    x: &Tensor,
+    f: impl FnOnce(&[f32], usize) -> Result<Option<R>>,
+) -> Result<Option<R>> {
     if x.track_op() || !x.device().is_cpu() || x.dtype() != DType::F32 {
         return Ok(None);
     }
     let cols = x.dim(D::Minus1)?.max(1);
+    if x.is_contiguous() {
+        let view = CpuF32::new(x, "x")?;
+        let xs = view.contiguous()?;
+        return f(xs, xs.len() / cols);
+    }
     let xs: Vec<f32> = x.flatten_all()?.to_vec1()?;
-    let rows = xs.len() / cols;
-    Ok(Some((xs, rows)))
+    f(&xs, xs.len() / cols)
+}
+
+/// `x W_p^T` `(rows, sum of the parts' rows)` for `rows` f32 input rows `xs` on the CPU and
+/// weights `parts` of one input width stacked along the outputs: up to [`FEW_ROWS`] on the
+/// row kernels (one pass over the blocks, and over the threads, per row), more by the
+/// weights dequantized for the call straight into one packed weight's panels (on the pool),
+/// then one packed product; `Ok(None)` when this CPU has no packed kernels.
+fn stacked_values(parts: &[&QuantWeight], xs: &[f32], rows: usize) -> Result<Option<Vec<f32>>> {
+    let Some(cols) = parts.first().map(|p| p.cols) else {
+        return Ok(None);
+    };
+    let data = parts
+        .iter()
+        .map(|p| Ok((p.ty, p.data()?)))
+        .collect::<Result<Vec<_>>>()?;
+    let out: usize = parts.iter().map(|p| p.rows).sum();
+    if rows <= FEW_ROWS {
+        let mut y = vec![0f32; rows * out];
+        for (xr, yr) in xs.chunks_exact(cols).zip(y.chunks_exact_mut(out)) {
+            quant_gemv_parts(&data, xr, yr)?;
+        }
+        return Ok(Some(y));
+    }
+    // Output rows `first..first + count` of the stacked weight, from whichever parts hold
+    // them, dequantized into `out`.
+    let fill = |first: usize, count: usize, out: &mut [f32]| {
+        let (mut start, mut done) = (0, 0);
+        for (p, &(ty, bytes)) in parts.iter().zip(&data) {
+            let (lo, hi) = (first.max(start), (first + count).min(start + p.rows));
+            if lo < hi {
+                let ok = ty.bytes_of(cols).is_some_and(|rb| {
+                    bytes
+                        .get((lo - start) * rb..(hi - start) * rb)
+                        .zip(out.get_mut((lo - first) * cols..(hi - first) * cols))
+                        .is_some_and(|(b, o)| blocks::dequantize(ty, b, o))
+                });
+                if !ok {
+                    return false;
+                }
+                done += hi - lo;
+            }
+            start += p.rows;
+        }
+        done == count
+    };
+    let Some(w) = PackedWeight::pack_rows(cols, out, &fill)? else {
+        return Ok(None);
+    };
+    let m = MatRef::row_major(xs, rows, cols)?;
+    Ok(Some(packed::linear(m, &w, 0..1, None)?))
 }
 
 /// A `(rows, cols)` weight of a block type, in its file.
@@ -198,10 +257,8 @@ impl QuantWeight {
                 return self.forward_on_device(qm, x);
             }
         }
-        if let Some((xs, rows)) = cpu_rows(x)? {
-            if let Some(y) = self.product_values(&xs, rows)? {
-                return output_like(x, y, self.rows);
-            }
+        if let Some(y) = with_cpu_rows(x, |xs, rows| stacked_values(&[self], xs, rows))? {
+            return output_like(x, y, self.rows);
         }
         // The weight dequantized once for the call, multiplied as a dense layer would.
         let w = self
@@ -219,71 +276,38 @@ impl QuantWeight {
         if (gate.rows, gate.cols) != (up.rows, up.cols) || x.dim(D::Minus1)? != gate.cols {
             return Ok(None);
         }
-        let Some((xs, rows)) = cpu_rows(x)? else {
-            return Ok(None);
-        };
-        if rows <= FEW_ROWS {
-            // A decode step: each task multiplies its rows of both and combines them.
-            let (gd, ud) = ((gate.ty, gate.data()?), (up.ty, up.data()?));
-            let mut y = vec![0f32; rows * gate.rows];
-            for (xr, yr) in xs
-                .chunks_exact(gate.cols)
-                .zip(y.chunks_exact_mut(gate.rows))
-            {
-                quant_gemv_gated(gd, ud, xr, yr)?;
-            }
-            return Ok(Some(output_like(x, y, gate.rows)?));
-        }
-        let (Some(mut g), Some(u)) = (
-            gate.product_values(&xs, rows)?,
-            up.product_values(&xs, rows)?,
-        ) else {
-            return Ok(None);
-        };
-        g.par_chunks_mut(4096)
-            .zip(u.par_chunks(4096))
-            .for_each(|(g, u)| {
-                for (gv, &uv) in g.iter_mut().zip(u) {
-                    *gv = *gv / (1.0 + (-*gv).exp()) * uv;
+        let i = gate.rows;
+        let y = with_cpu_rows(x, |xs, rows| {
+            if rows <= FEW_ROWS {
+                // A decode step: each task multiplies its rows of both and combines them.
+                let (gd, ud) = ((gate.ty, gate.data()?), (up.ty, up.data()?));
+                let mut y = vec![0f32; rows * i];
+                for (xr, yr) in xs.chunks_exact(gate.cols).zip(y.chunks_exact_mut(i)) {
+                    quant_gemv_gated(gd, ud, xr, yr)?;
                 }
-            });
-        Ok(Some(output_like(x, g, gate.rows)?))
-    }
-
-    /// `x W^T` `(rows, self.rows)` for `rows` f32 input rows `xs` on the CPU: up to
-    /// [`FEW_ROWS`] on the row kernels (one pass over the blocks per row), more by the weight
-    /// dequantized for the call straight into the micro-kernels' panels (on the pool), then
-    /// one packed product; `Ok(None)` when this CPU has no packed kernels.
-    fn product_values(&self, xs: &[f32], rows: usize) -> Result<Option<Vec<f32>>> {
-        let data = self.data()?;
-        if rows <= FEW_ROWS {
-            let mut y = vec![0f32; rows * self.rows];
-            for (xr, yr) in xs
-                .chunks_exact(self.cols)
-                .zip(y.chunks_exact_mut(self.rows))
-            {
-                quant_gemv(self.ty, data, xr, None, yr)?;
+                return Ok(Some(y));
             }
-            return Ok(Some(y));
-        }
-        let (ty, row_bytes) = (self.ty, self.ty.bytes_of(self.cols));
-        let fill = |first: usize, count: usize, out: &mut [f32]| match row_bytes {
-            Some(rb) => data
-                .get(first * rb..(first + count) * rb)
-                .is_some_and(|b| blocks::dequantize(ty, b, out)),
-            None => false,
-        };
-        let Some(w) = PackedWeight::pack_rows(self.cols, self.rows, &fill)? else {
-            return Ok(None);
-        };
-        let m = MatRef::row_major(xs, rows, self.cols)?;
-        Ok(Some(packed::linear(m, &w, 0..1, None)?))
+            // A prompt: both weights in one product, `(rows, 2 i)`, then combined.
+            let Some(gu) = stacked_values(&[gate, up], xs, rows)? else {
+                return Ok(None);
+            };
+            let mut y = vec![0f32; rows * i];
+            y.par_chunks_mut(i)
+                .zip(gu.par_chunks(2 * i))
+                .for_each(|(y, gu)| {
+                    let (g, u) = gu.split_at(i);
+                    for ((yv, &gv), &uv) in y.iter_mut().zip(g).zip(u) {
+                        *yv = gv / (1.0 + (-gv).exp()) * uv;
+                    }
+                });
+            Ok(Some(y))
+        })?;
+        y.map(|y| output_like(x, y, i)).transpose()
     }
 
     /// `x W_p^T` for the weights `parts` (of one input width) stacked along the outputs,
-    /// `(..., sum of their rows)`, for a few f32 rows on the CPU: one pass over the threads
-    /// per row for all of them ([`quant_gemv_parts`]); `Ok(None)` elsewhere (each part's
-    /// [`QuantWeight::forward`] then).
+    /// `(..., sum of their rows)`, for f32 rows on the CPU, as one product
+    /// ([`stacked_values`]); `Ok(None)` elsewhere (each part's [`QuantWeight::forward`] then).
     pub(crate) fn stacked_rows(parts: &[Self], x: &Tensor) -> Result<Option<Tensor>> {
         let Some(cols) = parts.first().map(|p| p.cols) else {
             return Ok(None);
@@ -291,22 +315,10 @@ impl QuantWeight {
         if parts.iter().any(|p| p.cols != cols) || x.dim(D::Minus1)? != cols {
             return Ok(None);
         }
-        let Some((xs, rows)) = cpu_rows(x)? else {
-            return Ok(None);
-        };
-        if rows > FEW_ROWS {
-            return Ok(None);
-        }
-        let data = parts
-            .iter()
-            .map(|p| Ok((p.ty, p.data()?)))
-            .collect::<Result<Vec<_>>>()?;
+        let parts: Vec<&Self> = parts.iter().collect();
         let out: usize = parts.iter().map(|p| p.rows).sum();
-        let mut y = vec![0f32; rows * out];
-        for (xr, yr) in xs.chunks_exact(cols).zip(y.chunks_exact_mut(out)) {
-            quant_gemv_parts(&data, xr, yr)?;
-        }
-        Ok(Some(output_like(x, y, out)?))
+        let y = with_cpu_rows(x, |xs, rows| stacked_values(&parts, xs, rows))?;
+        y.map(|y| output_like(x, y, out)).transpose()
     }
 
     /// The rows `ids` (an embedding lookup), dequantized on the CPU: `(..., cols)` f32 for
@@ -345,6 +357,82 @@ impl QuantWeight {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// Weights of different types stacked along the outputs (row counts that are no multiple
+    /// of a panel, so panels span two weights): the stacked product equals each weight's own
+    /// product bit for bit, for a decode step's few rows (row kernels) and a prompt's many
+    /// (one packed product), contiguous or not; the gated product equals silu of the gate's
+    /// times the up projection's.
+    #[test]
+    fn stacked_weights_multiply_as_each_alone() -> Result<()> {
+        let cols = 256;
+        let mut parts = Vec::new();
+        for (i, (ty, rows)) in [
+            (QuantType::Q4_1, 40),
+            (QuantType::Q8_0, 24),
+            (QuantType::Q4K, 40),
+        ]
+        .into_iter()
+        .enumerate()
+        {
+            let w = Tensor::from_vec(
+                crate::kernels::test_values(rows * cols, 30 + i),
+                (rows, cols),
+                &Device::Cpu,
+            )?;
+            let q = QTensor::quantize(&w, ty.candle_dtype())?;
+            parts.push(QuantWeight {
+                blocks: Blocks::Owned(Arc::new(q.data()?.to_vec())),
+                name: format!("part{i}"),
+                ty,
+                rows,
+                cols,
+                on_device: None,
+            });
+        }
+        for rows in [1, 3, 40] {
+            let x = Tensor::from_vec(
+                crate::kernels::test_values(rows * 2 * cols, 8),
+                (rows, 2 * cols),
+                &Device::Cpu,
+            )?;
+            // A strided view, and the same values contiguous.
+            let strided = x.narrow(1, 0, cols)?;
+            let contiguous = strided.contiguous()?;
+            let alone: Vec<Tensor> = parts
+                .iter()
+                .map(|p| p.forward(&contiguous))
+                .collect::<Result<_>>()?;
+            let want: Vec<f32> = Tensor::cat(&alone, 1)?.flatten_all()?.to_vec1()?;
+            for x in [&strided, &contiguous] {
+                let got = QuantWeight::stacked_rows(&parts, x)?
+                    .ok_or(Error::Kernel("no CPU path".into()))?;
+                let got: Vec<f32> = got.flatten_all()?.to_vec1()?;
+                assert_eq!(got.len(), want.len());
+                assert!(
+                    got.iter()
+                        .zip(&want)
+                        .all(|(a, b)| a.to_bits() == b.to_bits()),
+                    "{rows} rows"
+                );
+            }
+            let (gate, up) = (&parts[0], &parts[2]);
+            let gated = QuantWeight::forward_gated(gate, up, &contiguous)?
+                .ok_or(Error::Kernel("no CPU path".into()))?;
+            let (g, u) = (gate.forward(&contiguous)?, up.forward(&contiguous)?);
+            let (g, u): (Vec<f32>, Vec<f32>) =
+                (g.flatten_all()?.to_vec1()?, u.flatten_all()?.to_vec1()?);
+            let gated: Vec<f32> = gated.flatten_all()?.to_vec1()?;
+            for ((y, g), u) in gated.iter().zip(&g).zip(&u) {
+                assert_eq!(
+                    y.to_bits(),
+                    (g / (1.0 + (-g).exp()) * u).to_bits(),
+                    "{rows} rows"
+                );
+            }
+        }
+        Ok(())
+    }
 
     /// What a CUDA or Metal device gets, checked on the CPU with candle's CPU backend: the
     /// blocks read as candle's `QTensor` dequantize to this crate's values bit for bit (same

@@ -6,7 +6,8 @@
 //! multiplies them with the f32 matrix-vector kernel, giving the sums the same weight
 //! dequantized to f32 would give, bit for bit. Opted in ([`set_int8_activations`]), the
 //! 32-value types are multiplied with `x` quantized to 8 bits instead (`quant_gemv_vnni`,
-//! `quant_gemv_int8_avx2`), as llama.cpp does.
+//! `quant_gemv_int8_avx2`), as llama.cpp does. Weights of one input width stacked along the
+//! outputs (Q, K and V; a gate and its up projection) run as one pass over the threads.
 
 use std::sync::atomic::{AtomicBool, Ordering};
 
@@ -101,7 +102,8 @@ fn row_kernel(ty: QuantType) -> Option<RowDot> {
 }
 
 /// `y[j] = sum_k W[j, k] x[k] (+ bias[j])` for `W` `(y.len(), x.len())` stored as `ty` rows
-/// in `data`.
+/// in `data` (one weight of [`quant_gemv_parts`]; the tests' reference).
+#[cfg(test)]
 pub(crate) fn quant_gemv(
     ty: QuantType,
     data: &[u8],
