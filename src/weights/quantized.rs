@@ -269,9 +269,10 @@ impl QuantWeight {
     }
 
     /// `silu(x W_g^T) * (x W_u^T)` (`silu(g) = g / (1 + e^-g)`, as candle's) for f32 rows
-    /// on the CPU: both products as [`QuantWeight::forward`] runs them, then one pass over
-    /// their values on the pool instead of candle's two ops; `Ok(None)` elsewhere (the caller
-    /// composes the ops).
+    /// on the CPU, the same values as the two products and candle's ops: a decode step's rows
+    /// in one pass over the threads whose tasks multiply their rows of both and combine them;
+    /// a prompt's as one packed product of the two weights stacked, then one pass combining
+    /// them; `Ok(None)` elsewhere (the caller composes the ops).
     pub(crate) fn forward_gated(gate: &Self, up: &Self, x: &Tensor) -> Result<Option<Tensor>> {
         if (gate.rows, gate.cols) != (up.rows, up.cols) || x.dim(D::Minus1)? != gate.cols {
             return Ok(None);
