@@ -306,7 +306,7 @@ unsafe fn dot_q6_k(row: &[u8], x: &[f32]) -> f32 {
     let (bp, xp) = (row.as_ptr(), x.as_ptr());
     let mut acc = [_mm256_setzero_ps(); 4];
     let (nibbles, twos) = (_mm256_set1_epi8(0x0F), _mm256_set1_epi8(0x03));
-    let thirty_two = _mm256_set1_epi32(32);
+    let thirty_two = _mm256_set1_epi8(32);
     for blk in 0..x.len() / 256 {
         let b = bp.add(blk * 210);
         // `d * scales[g]`: lane g of `dls[g / 8]`.
@@ -330,7 +330,9 @@ unsafe fn dot_q6_k(row: &[u8], x: &[f32]) -> f32 {
                 };
                 let high =
                     _mm256_and_si256(_mm256_srl_epi16(qh, _mm_cvtsi32_si128(2 * t as i32)), twos);
-                let q = _mm256_or_si256(low, _mm256_slli_epi16(high, 4));
+                // `q - 32` as signed bytes, once for 32 values.
+                let q =
+                    _mm256_sub_epi8(_mm256_or_si256(low, _mm256_slli_epi16(high, 4)), thirty_two);
                 let halves = [_mm256_castsi256_si128(q), _mm256_extracti128_si256(q, 1)];
                 let g = 8 * h + 2 * t;
                 let xv = xp.add(blk * 256 + 128 * h + 32 * t);
@@ -338,7 +340,7 @@ unsafe fn dot_q6_k(row: &[u8], x: &[f32]) -> f32 {
                     // Lanes 16 (k / 2)..: scale g + k / 2.
                     let s = g + k / 2;
                     let dl = _mm256_permutevar8x32_ps(dls[s / 8], _mm256_set1_epi32(s as i32 % 8));
-                    let v = _mm256_sub_epi32(u8_lanes(halves[k / 2], k % 2 == 1), thirty_two);
+                    let v = i8_lanes(halves[k / 2], k % 2 == 1);
                     let w = _mm256_mul_ps(dl, _mm256_cvtepi32_ps(v));
                     *a = _mm256_fmadd_ps(w, _mm256_loadu_ps(xv.add(8 * k)), *a);
                 }

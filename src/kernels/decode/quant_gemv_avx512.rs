@@ -125,7 +125,7 @@ unsafe fn dot_q6_k(row: &[u8], x: &[f32]) -> f32 {
     let (bp, xp) = (row.as_ptr(), x.as_ptr());
     let mut acc = [_mm512_setzero_ps(); 4];
     let (nibbles, twos) = (_mm256_set1_epi8(0x0F), _mm256_set1_epi8(0x03));
-    let thirty_two = _mm512_set1_epi32(32);
+    let thirty_two = _mm256_set1_epi8(32);
     for blk in 0..x.len() / 256 {
         let b = bp.add(blk * 210);
         // `d * scales[g]` in lane g.
@@ -144,16 +144,14 @@ unsafe fn dot_q6_k(row: &[u8], x: &[f32]) -> f32 {
                 };
                 let high =
                     _mm256_and_si256(_mm256_srl_epi16(qh, _mm_cvtsi32_si128(2 * t as i32)), twos);
-                let q = _mm256_or_si256(low, _mm256_slli_epi16(high, 4));
+                // `q - 32` as signed bytes, once for 32 values.
+                let q =
+                    _mm256_sub_epi8(_mm256_or_si256(low, _mm256_slli_epi16(high, 4)), thirty_two);
                 let g = 8 * h + 2 * t;
                 let dl0 = _mm512_permutexvar_ps(_mm512_set1_epi32(g as i32), dl);
                 let dl1 = _mm512_permutexvar_ps(_mm512_set1_epi32(g as i32 + 1), dl);
-                let v0 =
-                    _mm512_sub_epi32(_mm512_cvtepu8_epi32(_mm256_castsi256_si128(q)), thirty_two);
-                let v1 = _mm512_sub_epi32(
-                    _mm512_cvtepu8_epi32(_mm256_extracti128_si256(q, 1)),
-                    thirty_two,
-                );
+                let v0 = _mm512_cvtepi8_epi32(_mm256_castsi256_si128(q));
+                let v1 = _mm512_cvtepi8_epi32(_mm256_extracti128_si256(q, 1));
                 let xv = xp.add(blk * 256 + 128 * h + 32 * t);
                 let a = 2 * (t % 2);
                 let w0 = _mm512_mul_ps(dl0, _mm512_cvtepi32_ps(v0));
