@@ -138,16 +138,8 @@ pub(crate) fn quant_gemv_parts(
     let inp = x.len();
     let mut shaped = Vec::with_capacity(parts.len());
     for &(ty, data) in parts {
-        let row_bytes = ty
-            .bytes_of(inp)
-            .filter(|&rb| rb > 0 && data.len() % rb == 0)
-            .ok_or_else(|| {
-                Error::Kernel(format!(
-                    "{} bytes of {ty} are no whole rows of {inp} values",
-                    data.len()
-                ))
-            })?;
-        shaped.push((ty, data, row_bytes, data.len() / row_bytes));
+        let (row_bytes, rows) = row_shape(ty, data, inp)?;
+        shaped.push((ty, data, row_bytes, rows));
     }
     let out: usize = shaped.iter().map(|p| p.3).sum();
     if out != y.len() {
@@ -170,27 +162,17 @@ pub(crate) fn quant_gemv_gated(
     y: &mut [f32],
 ) -> Result<()> {
     let (out, inp) = (y.len(), x.len());
-    let mut shaped = [(gate.0, gate.1, 0, out), (up.0, up.1, 0, out)];
-    for part in &mut shaped {
-        let (ty, data) = (part.0, part.1);
-        part.2 = ty
-            .bytes_of(inp)
-            .filter(|&rb| data.len() == out * rb)
-            .ok_or_else(|| {
-                Error::Kernel(format!(
-                    "{} bytes of {ty} are not {out} rows of {inp} values",
-                    data.len()
-                ))
-            })?;
+    let ((gt, gd), (ut, ud)) = (gate, up);
+    let (grb, gate_rows) = row_shape(gt, gd, inp)?;
+    let (urb, up_rows) = row_shape(ut, ud, inp)?;
+    if (gate_rows, up_rows) != (out, out) {
+        return Err(Error::Kernel(format!(
+            "a gate of {gate_rows} rows and an up projection of {up_rows} into {out} outputs"
+        )));
     }
     let int8 = int8_activations();
     let int8_kernel = |ty: QuantType| int8_row_kernel(ty, int8);
-    let xq = if shaped.iter().any(|p| int8_kernel(p.0).is_some()) {
-        QuantizedX::new(x)
-    } else {
-        None
-    };
-    let [(gt, gd, grb, _), (ut, ud, urb, _)] = shaped;
+    let xq = quantized_for([gt, ut], x, int8);
     let len = task_len(out, GROUP, ROWS_PER_TASK);
     let work = |(c, ys): (usize, &mut [f32])| -> Result<()> {
         let j0 = c * len;
@@ -208,6 +190,34 @@ pub(crate) fn quant_gemv_gated(
     } else {
         keep_warm::run(|| y.par_chunks_mut(len).enumerate().try_for_each(work))
     }
+}
+
+/// `(bytes a row, rows)` of a `ty` weight in `data` for inputs of `inp` values; an error when
+/// `data` is no whole number of such rows.
+fn row_shape(ty: QuantType, data: &[u8], inp: usize) -> Result<(usize, usize)> {
+    ty.bytes_of(inp)
+        .filter(|&rb| rb > 0 && data.len() % rb == 0)
+        .map(|rb| (rb, data.len() / rb))
+        .ok_or_else(|| {
+            Error::Kernel(format!(
+                "{} bytes of {ty} are no whole rows of {inp} values",
+                data.len()
+            ))
+        })
+}
+
+/// `x` quantized to 8 bits, once for a pass, where `int8` and one of `types` has an 8-bit
+/// kernel on this CPU.
+fn quantized_for(
+    types: impl IntoIterator<Item = QuantType>,
+    x: &[f32],
+    int8: bool,
+) -> Option<QuantizedX> {
+    types
+        .into_iter()
+        .any(|ty| int8_row_kernel(ty, int8).is_some())
+        .then(|| QuantizedX::new(x))
+        .flatten()
 }
 
 /// The 8-bit row kernel for `ty` where `int8` and this CPU has one: AVX-512 VNNI, else AVX2.
@@ -233,11 +243,7 @@ fn product(
 ) -> Result<()> {
     // 8-bit activations: AVX-512 VNNI, else AVX2 (`None`: exact).
     let int8_kernel = |ty: QuantType| int8_row_kernel(ty, int8);
-    let xq = if parts.iter().any(|p| int8_kernel(p.0).is_some()) {
-        QuantizedX::new(x)
-    } else {
-        None
-    };
+    let xq = quantized_for(parts.iter().map(|p| p.0), x, int8);
     // The tasks: each part's rows in runs of `task_len`.
     let mut tasks = Vec::new();
     let mut rest = y;
