@@ -5,6 +5,7 @@
 pub(crate) mod aligned;
 pub(crate) mod depth_blocks;
 pub(crate) mod half_rows_product;
+pub(crate) mod int8_product;
 pub(crate) mod matrix;
 pub(crate) mod microkernel;
 pub(crate) mod microkernel_avx2;

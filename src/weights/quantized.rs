@@ -15,7 +15,8 @@ use rayon::prelude::*;
 use crate::error::{Error, Result};
 use crate::kernels::cpu_tensor::CpuF32;
 use crate::kernels::decode::gemv::output_like;
-use crate::kernels::decode::quant_gemv::{quant_gemv_gated, quant_gemv_parts};
+use crate::kernels::decode::quant_gemv::{int8_activations, quant_gemv_gated, quant_gemv_parts};
+use crate::kernels::gemm::int8_product;
 use crate::kernels::gemm::matrix::MatRef;
 use crate::kernels::gemm::packed::{self, PackedWeight};
 use crate::kernels::quant::blocks::{self, QuantType};
@@ -60,7 +61,9 @@ fn with_cpu_rows<R>(
 /// weights `parts` of one input width stacked along the outputs: up to [`FEW_ROWS`] on the
 /// row kernels (one pass over the blocks, and over the threads, per row), more by the
 /// weights dequantized for the call straight into one packed weight's panels (on the pool),
-/// then one packed product; `Ok(None)` when this CPU has no packed kernels.
+/// then one packed product, or with 8-bit activations opted in, their integers by `x`
+/// quantized ([`int8_product`], AVX-512 VNNI); `Ok(None)` when this CPU has no packed
+/// kernels.
 fn stacked_values(parts: &[&QuantWeight], xs: &[f32], rows: usize) -> Result<Option<Vec<f32>>> {
     let Some(cols) = parts.first().map(|p| p.cols) else {
         return Ok(None);
@@ -76,6 +79,16 @@ fn stacked_values(parts: &[&QuantWeight], xs: &[f32], rows: usize) -> Result<Opt
             quant_gemv_parts(&data, xr, yr)?;
         }
         return Ok(Some(y));
+    }
+    if int8_activations() {
+        let stack: Vec<int8_product::Part<'_>> = data
+            .iter()
+            .zip(parts)
+            .map(|(&(ty, bytes), p)| (ty, bytes, p.rows))
+            .collect();
+        if let Some(y) = int8_product::product(&stack, cols, xs, rows)? {
+            return Ok(Some(y));
+        }
     }
     // Output rows `first..first + count` of the stacked weight, from whichever parts hold
     // them, dequantized into `out`.

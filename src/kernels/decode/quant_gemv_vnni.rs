@@ -83,7 +83,7 @@ impl QuantizedX {
 /// A block of 32 values quantized: `d = max|x| / 127` (NaNs passed over), `q = round(x / d)`
 /// (to nearest, ties to even; `0` where `d = 0`) into `q`; returns `(d, sum q)`. With AVX2
 /// eight lanes at a time, the same values (`vcvtps2dq` rounds as the scalar loop does).
-fn quantize_block(x: &[f32], q: &mut [i8]) -> (f32, i32) {
+pub(crate) fn quantize_block(x: &[f32], q: &mut [i8]) -> (f32, i32) {
     #[cfg(target_arch = "x86_64")]
     if x.len() == 32
         && q.len() == 32

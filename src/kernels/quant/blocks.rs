@@ -437,6 +437,19 @@ pub(crate) mod tests {
         }
     }
 
+    /// `rows` rows of `cols` varied values quantized to `ty` by candle's quantizer, as bytes.
+    pub(crate) fn quantized_bytes(ty: QuantType, rows: usize, cols: usize, seed: usize) -> Vec<u8> {
+        let values: Vec<f32> = crate::kernels::test_values(rows * cols, seed)
+            .iter()
+            .enumerate()
+            .map(|(i, v)| v * (1.0 + (i % 7) as f32))
+            .collect();
+        Tensor::from_vec(values, (rows, cols), &Device::Cpu)
+            .and_then(|x| QTensor::quantize(&x, ggml(ty)))
+            .and_then(|q| q.data().map(|d| d.to_vec()))
+            .unwrap_or_default()
+    }
+
     /// candle's name of `ty` (its quantizer is the tests' source of blocks).
     pub(crate) fn ggml(ty: QuantType) -> GgmlDType {
         ty.candle_dtype()
