@@ -16,9 +16,10 @@
 //! `--format json` prints `{"prompt_ids", "generated_ids", "text", "prefill_ms",
 //! "decode_tokens_per_s"}`. `--logits FILE` writes F32 `logits` `(prompt_len + N - 1,
 //! vocab)`: the prompt's rows, then the row each later token was chosen from.
-//! `--int8-activations` opts a `.gguf` model's decode steps in to llama.cpp's 8-bit
-//! activations on CPUs with AVX-512 VNNI or AVX2 (faster where unpacking bounds the
-//! products; the ids may leave the exact f32 ones after a few tokens).
+//! `--int8-activations` opts a `.gguf` model in to llama.cpp's 8-bit activations: its
+//! decode steps on CPUs with AVX-512 VNNI or AVX2 (faster where unpacking bounds the
+//! products), its prompts with AVX-512 VNNI (about twice the exact prefill's speed); the
+//! ids may leave the exact f32 ones after a few tokens.
 
 use std::collections::HashMap;
 use std::io::Write;
@@ -78,8 +79,9 @@ struct Args {
     /// Weights and activations: f32, f16 or bf16.
     #[arg(long, default_value = "f32")]
     dtype: String,
-    /// GGUF weights on the CPU: 8-bit activations in the decode steps' products, as
-    /// llama.cpp (AVX-512 VNNI or AVX2; not exact: see `candle_attention::set_int8_activations`).
+    /// GGUF weights on the CPU: 8-bit activations in the products, as llama.cpp (decode
+    /// steps: AVX-512 VNNI or AVX2; prompts: AVX-512 VNNI; not exact: see
+    /// `candle_attention::set_int8_activations`).
     #[arg(long)]
     int8_activations: bool,
 }
