@@ -33,8 +33,7 @@ static INT8_ACTIVATIONS: AtomicBool = AtomicBool::new(false);
 /// leave the f32 model's after a few (see the README). Process-wide; off by default. In
 /// decode steps the K-quants, and CPUs without AVX2, stay exact. Prompts of more than a few
 /// rows are 8-bit with AVX-512 VNNI, every integer block type (K-quants too) in one matrix
-/// product ([`crate::kernels::gemm::int8_product`], about 2.8x the f32 micro-kernels' rate
-/// on AMD Zen 4), and exact elsewhere.
+/// product (about 2.8x the f32 micro-kernels' rate on AMD Zen 4), and exact elsewhere.
 pub fn set_int8_activations(on: bool) {
     INT8_ACTIVATIONS.store(on, Ordering::Relaxed);
 }
