@@ -25,7 +25,7 @@ use crate::kernels::scratch::with_scratch;
 /// Whether GGUF products of a few rows quantize `x` to 8 bits ([`set_int8_activations`]).
 static INT8_ACTIVATIONS: AtomicBool = AtomicBool::new(false);
 
-/// Opts in to (or out of) 8-bit activations in the matrix-vector products of GGUF weights
+/// Opts in to (or out of) 8-bit activations in the products of GGUF weights
 /// on the CPU, as llama.cpp computes them: each product quantizes `x` once into blocks of 32
 /// signed bytes with a scale each, and the weight's integers meet them in AVX-512 VNNI
 /// dot-product instructions, or AVX2's byte multiply-adds. Faster where the unpacking, not
