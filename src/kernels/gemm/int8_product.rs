@@ -118,22 +118,34 @@ fn pack(parts: &[Part<'_>], cols: usize, group: usize) -> Option<(AlignedFloats,
         .par_chunks_mut(panel_words)
         .enumerate()
         .map(|(p, panel)| {
-            let (mut q, mut s, mut m) = (vec![0u8; cols], vec![0f32; groups], vec![0f32; groups]);
-            for c in 0..PANEL.min(n - p * PANEL) {
-                let Some((ty, bytes)) = row(p * PANEL + c) else {
-                    return false;
-                };
-                if !integer_row(ty, bytes, group, &mut q, &mut s, &mut m) {
-                    return false;
+            // The panel's rows in integer form first, then the panel written in order.
+            let width = PANEL.min(n - p * PANEL);
+            let mut q = vec![0u8; width * cols];
+            let (mut s, mut m) = (vec![0f32; width * groups], vec![0f32; width * groups]);
+            for (c, ((qc, sc), mc)) in q
+                .chunks_exact_mut(cols)
+                .zip(s.chunks_exact_mut(groups))
+                .zip(m.chunks_exact_mut(groups))
+                .enumerate()
+            {
+                match row(p * PANEL + c) {
+                    Some((ty, bytes)) if integer_row(ty, bytes, group, qc, sc, mc) => {}
+                    _ => return false,
                 }
-                for (g, words) in panel.chunks_exact_mut(group_words(group)).enumerate() {
-                    let (ints, scales) = words.split_at_mut(group * PANEL / 4);
-                    for (t, four) in q[g * group..(g + 1) * group].chunks_exact(4).enumerate() {
-                        let word = u32::from_le_bytes([four[0], four[1], four[2], four[3]]);
-                        ints[t * PANEL + c] = f32::from_bits(word);
+            }
+            for (g, words) in panel.chunks_exact_mut(group_words(group)).enumerate() {
+                let (ints, scales) = words.split_at_mut(group * PANEL / 4);
+                for (t, line) in ints.chunks_exact_mut(PANEL).enumerate() {
+                    let at = g * group + 4 * t;
+                    for (word, qc) in line.iter_mut().zip(q.chunks_exact(cols)) {
+                        let four = [qc[at], qc[at + 1], qc[at + 2], qc[at + 3]];
+                        *word = f32::from_bits(u32::from_le_bytes(four));
                     }
-                    scales[c] = s[g];
-                    scales[PANEL + c] = m[g];
+                }
+                let (sw, mw) = scales.split_at_mut(PANEL);
+                for c in 0..width {
+                    sw[c] = s[c * groups + g];
+                    mw[c] = m[c * groups + g];
                 }
             }
             true
@@ -182,9 +194,28 @@ pub(crate) fn product(
         return Ok(None);
     };
     let group = groups_of.into_iter().min().unwrap_or(32);
-    let Some((data, panels)) = pack(parts, cols, group) else {
-        return Ok(None);
-    };
+    Ok(multiply(parts, cols, xs, rows, group))
+}
+
+/// [`product`] once checked, in groups of `group`; `None` when a part's bytes do not fit.
+#[cfg(not(target_arch = "x86_64"))]
+fn multiply(_: &[Part<'_>], _: usize, _: &[f32], _: usize, _: usize) -> Option<Vec<f32>> {
+    None
+}
+
+/// [`product`] once checked, in groups of `group`; `None` when a part's bytes do not fit.
+#[cfg(target_arch = "x86_64")]
+fn multiply(
+    parts: &[Part<'_>],
+    cols: usize,
+    xs: &[f32],
+    rows: usize,
+    group: usize,
+) -> Option<Vec<f32>> {
+    if !available() || xs.len() != rows * cols || cols % group != 0 {
+        return None;
+    }
+    let (data, panels) = pack(parts, cols, group)?;
     let x = QuantizedRows::new(xs, cols, group);
     let n: usize = parts.iter().map(|p| p.2).sum();
     let groups = cols / group;
@@ -203,7 +234,6 @@ pub(crate) fn product(
             // writes rows r..r+tile_rows, columns p*PANEL..+width of the (rows, n) output,
             // which no other task touches, and the tasks tile the whole output before
             // `set_len`.
-            #[cfg(target_arch = "x86_64")]
             unsafe {
                 tile_of(
                     tile_rows,
@@ -227,7 +257,7 @@ pub(crate) fn product(
         .for_each(run);
     // SAFETY: every one of the rows * n elements was written above.
     unsafe { out.set_len(rows * n) };
-    Ok(Some(out))
+    Some(out)
 }
 
 /// [`tile`] for `rows` (1..=4) rows and groups of `group` (16 or 32).

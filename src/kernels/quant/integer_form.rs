@@ -49,25 +49,49 @@ pub(crate) fn integer_row(
     {
         return false;
     }
-    let (nb, bv) = (ty.block_bytes(), ty.block_values());
-    let per_block = bv / own;
-    let repeat = own / group;
-    for (bi, b) in bytes.chunks_exact(nb).enumerate() {
-        let qb = &mut q[bi * bv..(bi + 1) * bv];
-        let mut scales = [(0f32, 0f32); 16];
-        block(ty, b, qb, &mut scales[..per_block]);
-        for (gi, &(sv, mv)) in scales[..per_block].iter().enumerate() {
-            for r in 0..repeat {
-                let at = (bi * per_block + gi) * repeat + r;
-                s[at] = sv;
-                m[at] = mv;
+    // One loop per type, so that each block's body is compiled (and vectorised) for it.
+    fn each<const B: usize, const N: usize, const G: usize>(
+        ty: QuantType,
+        bytes: &[u8],
+        repeat: usize,
+        q: &mut [u8],
+        s: &mut [f32],
+        m: &mut [f32],
+    ) {
+        let per = G * repeat;
+        for (((b, qb), sb), mb) in bytes
+            .chunks_exact(B)
+            .zip(q.chunks_exact_mut(N))
+            .zip(s.chunks_exact_mut(per))
+            .zip(m.chunks_exact_mut(per))
+        {
+            let mut sm = [(0f32, 0f32); G];
+            block(ty, b, qb, &mut sm);
+            for (i, &(sv, mv)) in sm.iter().enumerate() {
+                sb[i * repeat..(i + 1) * repeat].fill(sv);
+                mb[i * repeat..(i + 1) * repeat].fill(mv);
             }
         }
+    }
+    let repeat = own / group;
+    match ty {
+        QuantType::Q4_0 => each::<18, 32, 1>(ty, bytes, repeat, q, s, m),
+        QuantType::Q4_1 => each::<20, 32, 1>(ty, bytes, repeat, q, s, m),
+        QuantType::Q5_0 => each::<22, 32, 1>(ty, bytes, repeat, q, s, m),
+        QuantType::Q5_1 => each::<24, 32, 1>(ty, bytes, repeat, q, s, m),
+        QuantType::Q8_0 => each::<34, 32, 1>(ty, bytes, repeat, q, s, m),
+        QuantType::Q2K => each::<84, 256, 16>(ty, bytes, repeat, q, s, m),
+        QuantType::Q3K => each::<110, 256, 16>(ty, bytes, repeat, q, s, m),
+        QuantType::Q4K => each::<144, 256, 8>(ty, bytes, repeat, q, s, m),
+        QuantType::Q5K => each::<176, 256, 8>(ty, bytes, repeat, q, s, m),
+        QuantType::Q6K => each::<210, 256, 16>(ty, bytes, repeat, q, s, m),
+        QuantType::F32 | QuantType::F16 | QuantType::BF16 => return false,
     }
     true
 }
 
 /// One block's integers into `q` and its groups' `(s, m)` into `sm`.
+#[inline(always)]
 fn block(ty: QuantType, b: &[u8], q: &mut [u8], sm: &mut [(f32, f32)]) {
     match ty {
         QuantType::Q4_0 | QuantType::Q4_1 => {
