@@ -132,9 +132,10 @@ impl PackedWeight {
                         self.n
                     )));
                 }
-                for (j, row) in w.chunks_exact(k.max(1)).enumerate() {
-                    for (kk, &v) in row.iter().enumerate() {
-                        dst[kk * PANEL + j] = v;
+                // Written in order (the rows' reads stay within a few lines of L1).
+                for (kk, line) in dst.chunks_exact_mut(PANEL).enumerate() {
+                    for (d, row) in line.iter_mut().zip(w.chunks_exact(k.max(1))) {
+                        *d = row[kk];
                     }
                 }
                 Ok(())
