@@ -174,6 +174,13 @@ fn run(args: Args) -> anyhow::Result<()> {
         .model
         .extension()
         .is_some_and(|e| e.eq_ignore_ascii_case("gguf"));
+    if args.int8_activations && !gguf {
+        eprintln!(
+            "note: --int8-activations applies to .gguf models' blocks; {} runs in {} as without it",
+            args.model.display(),
+            args.dtype
+        );
+    }
     // The tokenizer, or why there is none.
     let (tokenizer, no_tokenizer): (Option<Tokenizer>, String) = if gguf {
         let file = GgufFile::open(&args.model)?;

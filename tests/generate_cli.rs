@@ -156,6 +156,45 @@ fn stops_at_the_eos_token_unless_told_not_to() -> anyhow::Result<()> {
 }
 
 #[test]
+fn int8_activations_say_where_they_do_not_apply() -> anyhow::Result<()> {
+    let ids = [
+        "--prompt-ids",
+        "1,2,3",
+        "--max-new-tokens",
+        "2",
+        "--format",
+        "json",
+    ];
+    for (model, noted) in [
+        ("tests/fixtures/decoders/llama_gqa", true),
+        ("tests/fixtures/gguf/llama_gqa.q8_0.gguf", false),
+    ] {
+        let path = repo_path(model);
+        let mut args = vec![
+            "--model",
+            path.to_str().unwrap_or_default(),
+            "--int8-activations",
+        ];
+        args.extend(ids);
+        let out = run(&args)?;
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert!(out.status.success(), "{model}: {err}");
+        assert_eq!(
+            err.contains("--int8-activations applies to .gguf"),
+            noted,
+            "{model}: {err}"
+        );
+        let json: serde_json::Value = serde_json::from_slice(&out.stdout)?;
+        assert_eq!(
+            json["generated_ids"].as_array().map(Vec::len),
+            Some(2),
+            "{model}"
+        );
+    }
+    Ok(())
+}
+
+#[test]
 fn text_output_and_prompt_text_need_a_tokenizer() -> anyhow::Result<()> {
     let model = repo_path("tests/fixtures/decoders/llama_gqa");
     let model = model.to_str().unwrap_or_default();
