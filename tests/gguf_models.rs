@@ -43,15 +43,34 @@ fn prompt_of(case: &str) -> anyhow::Result<Vec<u32>> {
         .to_vec1()?)
 }
 
-/// The two models give the same prompt logits (bit for bit) and greedy ids.
-fn assert_same(what: &str, a: &LlamaModel, b: &LlamaModel, prompt: &[u32]) -> anyhow::Result<()> {
+/// The two models give the same greedy ids, and prompt logits within `tol` times the
+/// largest (0: bit for bit).
+fn assert_same(
+    what: &str,
+    a: &LlamaModel,
+    b: &LlamaModel,
+    prompt: &[u32],
+    tol: f32,
+) -> anyhow::Result<()> {
     let (la, ids_a) = run(a, prompt)?;
     let (lb, ids_b) = run(b, prompt)?;
     assert_eq!(ids_a, ids_b, "{what}: greedy ids");
-    assert!(
-        la.iter().zip(&lb).all(|(x, y)| x.to_bits() == y.to_bits()),
-        "{what}: logits differ"
-    );
+    let top = lb.iter().fold(0f32, |m, v| m.max(v.abs()));
+    let worst = la
+        .iter()
+        .zip(&lb)
+        .fold(0f32, |m, (x, y)| m.max((x - y).abs()));
+    if tol == 0.0 {
+        assert!(
+            la.iter().zip(&lb).all(|(x, y)| x.to_bits() == y.to_bits()),
+            "{what}: logits differ"
+        );
+    } else {
+        assert!(
+            worst <= tol * top,
+            "{what}: logits differ by {worst} of {top}"
+        );
+    }
     Ok(())
 }
 
@@ -62,7 +81,7 @@ fn an_f32_gguf_file_is_the_safetensors_model_bit_for_bit() -> anyhow::Result<()>
         let dir = repo_path(&format!("tests/fixtures/decoders/{case}"));
         let from_gguf = LlamaModel::from_gguf(&gguf, DType::F32, &Device::Cpu)?;
         let from_dir = LlamaModel::from_dir(&dir, DType::F32, &Device::Cpu)?;
-        assert_same(case, &from_gguf, &from_dir, &prompt_of(case)?)?;
+        assert_same(case, &from_gguf, &from_dir, &prompt_of(case)?, 0.0)?;
         // The configuration read from the metadata is the config.json's.
         let cfg = LlamaConfig::from_gguf(&GgufFile::open(&gguf)?)?;
         let want = LlamaConfig::from_file(dir.join("config.json"))?;
@@ -93,11 +112,14 @@ fn a_quantized_gguf_file_is_what_transformers_loads_from_it() -> anyhow::Result<
             let dir = repo_path(&format!("tests/fixtures/gguf/{case}.{ty}"));
             let from_gguf = LlamaModel::from_gguf(&gguf, DType::F32, &Device::Cpu)?;
             let from_dir = LlamaModel::from_dir(&dir, DType::F32, &Device::Cpu)?;
+            // The same weights; a short prompt's sums on the blocks, in another order than
+            // the dense model's: within f32 rounding.
             assert_same(
                 &format!("{case} {ty}"),
                 &from_gguf,
                 &from_dir,
                 &prompt_of(case)?,
+                1e-5,
             )?;
         }
     }

@@ -1,8 +1,8 @@
 //! A projection or embedding weight kept as a GGUF file stores it (ggml blocks, read from the
 //! file's memory map), so that a quantized model stays near its file size in memory. A few
-//! input rows (a decode step, a short prompt) are multiplied on the blocks as they are read;
-//! more rows (a prompt) by the weight dequantized once for the call, with the f32 kernels.
-//! The weight's values are gguf-py's either way.
+//! input rows (a decode step, a short prompt) are multiplied on the blocks as they are read,
+//! each block once for all of them; more rows (a longer prompt) by the weight dequantized
+//! once for the call, with the f32 kernels. The weight's values are gguf-py's either way.
 
 use std::sync::Arc;
 
@@ -15,7 +15,9 @@ use rayon::prelude::*;
 use crate::error::{Error, Result};
 use crate::kernels::cpu_tensor::CpuF32;
 use crate::kernels::decode::gemv::output_like;
-use crate::kernels::decode::quant_gemv::{int8_activations, quant_gemv_gated, quant_gemv_parts};
+use crate::kernels::decode::quant_gemv::{
+    int8_activations, quant_gemv_gated_rows, quant_gemv_parts_rows,
+};
 use crate::kernels::gemm::int8_product;
 use crate::kernels::gemm::matrix::MatRef;
 use crate::kernels::gemm::packed::{self, PackedWeight};
@@ -33,9 +35,22 @@ enum Blocks {
     Owned(Arc<Vec<u8>>),
 }
 
-/// Up to this many input rows are multiplied on the blocks row by row; more by the weight
-/// dequantized once for the call (a prompt), into packed panels on the CPU.
-const FEW_ROWS: usize = 8;
+/// Up to how many input rows are multiplied on the blocks as they are read (the row kernels,
+/// each block once for all rows); more by the weight dequantized once for the call into
+/// packed panels (or repacked as integers, 8-bit). Where the two took the same time in
+/// 512-token SmolLM2 prompts, 2 threads, AMD Zen 4 (docs/performance.md): ~64 rows with the
+/// AVX-512 row kernels (4 rows of `x` a pass), ~24-32 with the AVX2 ones (2 a pass), ~20
+/// against the 8-bit prompt product.
+fn few_rows() -> usize {
+    use crate::kernels::simd::{isa, Isa};
+    if int8_activations() && int8_product::available() {
+        16
+    } else if matches!(isa(), Isa::Avx512) {
+        48
+    } else {
+        24
+    }
+}
 
 /// `f` on `x`'s values (borrowed when `x` is contiguous, else copied once) and its number of
 /// rows, when `x` is f32 on the CPU and tracks no gradient (what this crate's kernels take);
@@ -58,8 +73,8 @@ fn with_cpu_rows<R>(
 }
 
 /// `x W_p^T` `(rows, sum of the parts' rows)` for `rows` f32 input rows `xs` on the CPU and
-/// weights `parts` of one input width stacked along the outputs: up to [`FEW_ROWS`] on the
-/// row kernels (one pass over the blocks, and over the threads, per row), more by the
+/// weights `parts` of one input width stacked along the outputs: up to [`few_rows`] on the
+/// row kernels (one pass over the blocks, and over the threads, for all rows), more by the
 /// weights dequantized for the call straight into one packed weight's panels (on the pool),
 /// then one packed product, or with 8-bit activations opted in, their integers by `x`
 /// quantized ([`int8_product`], AVX-512 VNNI); `Ok(None)` when this CPU has no packed
@@ -73,11 +88,9 @@ fn stacked_values(parts: &[&QuantWeight], xs: &[f32], rows: usize) -> Result<Opt
         .map(|p| Ok((p.ty, p.data()?)))
         .collect::<Result<Vec<_>>>()?;
     let out: usize = parts.iter().map(|p| p.rows).sum();
-    if rows <= FEW_ROWS {
+    if rows <= few_rows() {
         let mut y = vec![0f32; rows * out];
-        for (xr, yr) in xs.chunks_exact(cols).zip(y.chunks_exact_mut(out)) {
-            quant_gemv_parts(&data, xr, yr)?;
-        }
+        quant_gemv_parts_rows(&data, xs, cols, &mut y)?;
         return Ok(Some(y));
     }
     if int8_activations() {
@@ -292,13 +305,12 @@ impl QuantWeight {
         }
         let i = gate.rows;
         let y = with_cpu_rows(x, |xs, rows| {
-            if rows <= FEW_ROWS {
-                // A decode step: each task multiplies its rows of both and combines them.
+            if rows <= few_rows() {
+                // A decode step or a short prompt: each task multiplies its rows of both, for
+                // every row of `x`, and combines them.
                 let (gd, ud) = ((gate.ty, gate.data()?), (up.ty, up.data()?));
                 let mut y = vec![0f32; rows * i];
-                for (xr, yr) in xs.chunks_exact(gate.cols).zip(y.chunks_exact_mut(i)) {
-                    quant_gemv_gated(gd, ud, xr, yr)?;
-                }
+                quant_gemv_gated_rows(gd, ud, xs, gate.cols, &mut y)?;
                 return Ok(Some(y));
             }
             // A prompt: both weights in one product, `(rows, 2 i)`, then combined.
@@ -374,9 +386,10 @@ mod tests {
 
     /// Weights of different types stacked along the outputs (row counts that are no multiple
     /// of a panel, so panels span two weights): the stacked product equals each weight's own
-    /// product bit for bit, for a decode step's few rows (row kernels) and a prompt's many
-    /// (one packed product), contiguous or not; the gated product equals silu of the gate's
-    /// times the up projection's.
+    /// product bit for bit, for a decode step's or a short prompt's rows (row kernels, each
+    /// row of the result the same bits as that row alone) and a longer prompt's (one packed
+    /// product), contiguous or not; the gated product equals silu of the gate's times the up
+    /// projection's.
     #[test]
     fn stacked_weights_multiply_as_each_alone() -> Result<()> {
         let cols = 256;
@@ -404,7 +417,7 @@ mod tests {
                 on_device: None,
             });
         }
-        for rows in [1, 3, 40] {
+        for rows in [1, 3, 7, 40, 70] {
             let x = Tensor::from_vec(
                 crate::kernels::test_values(rows * 2 * cols, 8),
                 (rows, 2 * cols),
@@ -429,6 +442,21 @@ mod tests {
                         .all(|(a, b)| a.to_bits() == b.to_bits()),
                     "{rows} rows"
                 );
+            }
+            if rows <= 7 {
+                // The row kernels on several rows of `x`: each the same as alone.
+                for i in 0..rows {
+                    let one = QuantWeight::stacked_rows(&parts, &contiguous.narrow(0, i, 1)?)?
+                        .ok_or(Error::Kernel("no CPU path".into()))?;
+                    let one: Vec<f32> = one.flatten_all()?.to_vec1()?;
+                    let n = one.len();
+                    assert!(
+                        one.iter()
+                            .zip(&want[i * n..(i + 1) * n])
+                            .all(|(a, b)| a.to_bits() == b.to_bits()),
+                        "row {i} of {rows}"
+                    );
+                }
             }
             let (gate, up) = (&parts[0], &parts[2]);
             let gated = QuantWeight::forward_gated(gate, up, &contiguous)?

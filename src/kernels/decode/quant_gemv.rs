@@ -87,18 +87,37 @@ pub(crate) mod kind {
 /// `x` quantized.
 type Int8Dot = fn(QuantType, &[u8], &QuantizedX) -> Option<f32>;
 
-/// A row kernel's signature: `sum_k W[k] x[k]` for one row of `ty` blocks.
-type RowDot = fn(QuantType, &[u8], &[f32]) -> Option<f32>;
-
-/// The row kernel for `ty` on this CPU: AVX-512, else AVX2 + FMA + F16C (both capped by
-/// `CANDLE_ATTENTION_ISA`), else none (rows dequantized into scratch).
-fn row_kernel(ty: QuantType) -> Option<RowDot> {
+/// `ys[nx j + i] = W[j] x_i` for the whole `ty` rows `W` in `rows` and the `nx` rows of `xs`
+/// on this CPU's row kernels (AVX-512, else AVX2 + FMA + F16C, both capped by
+/// `CANDLE_ATTENTION_ISA`), each block unpacked once for up to 4 (AVX-512) or 2 (AVX2) rows
+/// of `x` at a time; `false` when the CPU or type has none (rows dequantized into scratch).
+fn kernel_rows(ty: QuantType, rows: &[u8], xs: &[f32], nx: usize, ys: &mut [f32]) -> bool {
+    let inp = xs.len() / nx.max(1);
+    macro_rules! chunks {
+        ($module:ident, $($r:literal),+) => {{
+            let most = [$($r),+][0];
+            let mut first = 0;
+            while first < nx {
+                let take = most.min(nx - first);
+                let (x, y) = (&xs[first * inp..(first + take) * inp], &mut ys[first..]);
+                let done = match take {
+                    $($r => $module::rows_dots::<$r>(ty, rows, x, y, nx),)+
+                    _ => false,
+                };
+                if !done {
+                    return false;
+                }
+                first += take;
+            }
+            true
+        }};
+    }
     if quant_gemv_avx512::supports(ty) {
-        Some(quant_gemv_avx512::row_dot)
+        chunks!(quant_gemv_avx512, 4, 3, 2, 1)
     } else if quant_gemv_avx2::supports(ty) {
-        Some(quant_gemv_avx2::row_dot)
+        chunks!(quant_gemv_avx2, 2, 1)
     } else {
-        None
+        false
     }
 }
 
@@ -130,39 +149,98 @@ pub(crate) fn quant_gemv(
 
 /// [`quant_gemv`] for weights of one input width stacked along the outputs (`parts`: each
 /// weight's type and rows; Q, K and V, or a gate and its up projection), in one pass over the
-/// threads: `y` holds the parts' outputs one after the other.
+/// threads: `y` holds the parts' outputs one after the other (one row of `x`: the tests'
+/// form of [`quant_gemv_parts_rows`]).
+#[cfg(test)]
 pub(crate) fn quant_gemv_parts(
     parts: &[(QuantType, &[u8])],
     x: &[f32],
     y: &mut [f32],
 ) -> Result<()> {
-    let inp = x.len();
+    quant_gemv_parts_rows(parts, x, x.len(), y)
+}
+
+/// [`quant_gemv_parts`] for the `xs.len() / inp` rows of `xs` at once, `y` `(rows, outputs)`:
+/// one pass over the threads, each weight row read once for all of them (the sums are the
+/// same bits as row by row).
+pub(crate) fn quant_gemv_parts_rows(
+    parts: &[(QuantType, &[u8])],
+    xs: &[f32],
+    inp: usize,
+    y: &mut [f32],
+) -> Result<()> {
+    let nx = rows_in(xs, inp)?;
     let mut shaped = Vec::with_capacity(parts.len());
     for &(ty, data) in parts {
         let (row_bytes, rows) = row_shape(ty, data, inp)?;
         shaped.push((ty, data, row_bytes, rows));
     }
     let out: usize = shaped.iter().map(|p| p.3).sum();
-    if out != y.len() {
+    if out * nx != y.len() {
         return Err(Error::Kernel(format!(
-            "products of {out} rows by {inp} inputs into {} outputs",
+            "products of {out} rows by {nx} x {inp} inputs into {} outputs",
             y.len()
         )));
     }
-    product(&shaped, x, y, int8_activations())
+    if nx == 1 {
+        return product(&shaped, xs, 1, y, int8_activations());
+    }
+    // The tasks write `(outputs, rows)`; turned into `(rows, outputs)` at the end.
+    let mut yt = vec![0f32; y.len()];
+    product(&shaped, xs, nx, &mut yt, int8_activations())?;
+    transpose_into(&yt, nx, y);
+    Ok(())
+}
+
+/// The number of rows of `inp` values in `xs`; an error when it is no whole number.
+fn rows_in(xs: &[f32], inp: usize) -> Result<usize> {
+    if inp == 0 || xs.len() % inp != 0 {
+        return Err(Error::Kernel(format!(
+            "{} input values are no whole rows of {inp}",
+            xs.len()
+        )));
+    }
+    Ok(xs.len() / inp)
+}
+
+/// `y[i][j] = yt[j][i]` for `yt` `(n, nx)` into `y` `(nx, n)`.
+fn transpose_into(yt: &[f32], nx: usize, y: &mut [f32]) {
+    let n = yt.len() / nx.max(1);
+    for (j, col) in yt.chunks_exact(nx).enumerate() {
+        for (i, &v) in col.iter().enumerate() {
+            y[i * n + j] = v;
+        }
+    }
 }
 
 /// `y[j] = silu(W_g[j] x) * (W_u[j] x)` (`silu(g) = g / (1 + e^-g)`, as candle's) for a gate
 /// and an up projection of the same shape, `(y.len(), x.len())`, stored as `gate.0` and
 /// `up.0` rows: each task multiplies its rows of both and combines them, one pass over the
 /// threads for the MLP's first half.
+#[cfg(test)]
 pub(crate) fn quant_gemv_gated(
     gate: (QuantType, &[u8]),
     up: (QuantType, &[u8]),
     x: &[f32],
     y: &mut [f32],
 ) -> Result<()> {
-    let (out, inp) = (y.len(), x.len());
+    quant_gemv_gated_rows(gate, up, x, x.len(), y)
+}
+
+/// [`quant_gemv_gated`] for the `xs.len() / inp` rows of `xs` at once, `y` `(rows,
+/// outputs)`: one pass over the threads, each weight row read once for all of them.
+pub(crate) fn quant_gemv_gated_rows(
+    gate: (QuantType, &[u8]),
+    up: (QuantType, &[u8]),
+    xs: &[f32],
+    inp: usize,
+    y: &mut [f32],
+) -> Result<()> {
+    let nx = rows_in(xs, inp)?;
+    let out = y.len() / nx;
+    if out * nx != y.len() {
+        return Err(Error::Kernel(format!("{} outputs for {nx} rows", y.len())));
+    }
     let ((gt, gd), (ut, ud)) = (gate, up);
     let (grb, gate_rows) = row_shape(gt, gd, inp)?;
     let (urb, up_rows) = row_shape(ut, ud, inp)?;
@@ -173,24 +251,55 @@ pub(crate) fn quant_gemv_gated(
     }
     let int8 = int8_activations();
     let int8_kernel = |ty: QuantType| int8_row_kernel(ty, int8);
-    let xq = quantized_for([gt, ut], x, int8);
+    let xq = quantized_for([gt, ut], xs, inp, int8);
     let len = task_len(out, GROUP, ROWS_PER_TASK);
+    let x = Rows { xs, nx };
     let work = |(c, ys): (usize, &mut [f32])| -> Result<()> {
         let j0 = c * len;
-        rows_of(gt, gd, grb, x, int8_kernel(gt).zip(xq.as_ref()), j0, ys)?;
-        let mut u = [0f32; ROWS_PER_TASK];
-        let u = &mut u[..ys.len()];
-        rows_of(ut, ud, urb, x, int8_kernel(ut).zip(xq.as_ref()), j0, u)?;
+        rows_of(gt, gd, grb, x, int8_kernel(gt).zip(xq.as_deref()), j0, ys)?;
+        let mut u = vec![0f32; ys.len()];
+        rows_of(
+            ut,
+            ud,
+            urb,
+            x,
+            int8_kernel(ut).zip(xq.as_deref()),
+            j0,
+            &mut u,
+        )?;
         for (g, &u) in ys.iter_mut().zip(u.iter()) {
             *g = *g / (1.0 + (-*g).exp()) * u;
         }
         Ok(())
     };
-    if 2 * out * inp < 1 << 16 {
-        y.chunks_mut(len).enumerate().try_for_each(work)
+    // The tasks write `(outputs, rows)` (in `y` itself for one row).
+    let mut yt = if nx == 1 {
+        Vec::new()
     } else {
-        keep_warm::run(|| y.par_chunks_mut(len).enumerate().try_for_each(work))
+        vec![0f32; y.len()]
+    };
+    let target: &mut [f32] = if nx == 1 { y } else { &mut yt };
+    if 2 * out * inp * nx < 1 << 16 {
+        target.chunks_mut(len * nx).enumerate().try_for_each(work)?;
+    } else {
+        keep_warm::run(|| {
+            target
+                .par_chunks_mut(len * nx)
+                .enumerate()
+                .try_for_each(work)
+        })?;
     }
+    if nx > 1 {
+        transpose_into(&yt, nx, y);
+    }
+    Ok(())
+}
+
+/// `nx` input rows, one after the other in `xs`.
+#[derive(Clone, Copy)]
+struct Rows<'a> {
+    xs: &'a [f32],
+    nx: usize,
 }
 
 /// `(bytes a row, rows)` of a `ty` weight in `data` for inputs of `inp` values; an error when
@@ -207,18 +316,21 @@ fn row_shape(ty: QuantType, data: &[u8], inp: usize) -> Result<(usize, usize)> {
         })
 }
 
-/// `x` quantized to 8 bits, once for a pass, where `int8` and one of `types` has an 8-bit
-/// kernel on this CPU.
+/// Each row of `xs` (rows of `inp`) quantized to 8 bits, once for a pass, where `int8` and
+/// one of `types` has an 8-bit kernel on this CPU.
 fn quantized_for(
     types: impl IntoIterator<Item = QuantType>,
-    x: &[f32],
+    xs: &[f32],
+    inp: usize,
     int8: bool,
-) -> Option<QuantizedX> {
-    types
+) -> Option<Vec<QuantizedX>> {
+    if !types
         .into_iter()
         .any(|ty| int8_row_kernel(ty, int8).is_some())
-        .then(|| QuantizedX::new(x))
-        .flatten()
+    {
+        return None;
+    }
+    xs.chunks_exact(inp.max(1)).map(QuantizedX::new).collect()
 }
 
 /// The 8-bit row kernel for `ty` where `int8` and this CPU has one: AVX-512 VNNI, else AVX2.
@@ -238,25 +350,27 @@ fn int8_row_kernel(ty: QuantType, int8: bool) -> Option<Int8Dot> {
 /// 8-bit activations where `int8` and this CPU and type have them.
 fn product(
     parts: &[(QuantType, &[u8], usize, usize)],
-    x: &[f32],
+    xs: &[f32],
+    nx: usize,
     y: &mut [f32],
     int8: bool,
 ) -> Result<()> {
+    let inp = xs.len() / nx.max(1);
     // 8-bit activations: AVX-512 VNNI, else AVX2 (`None`: exact).
     let int8_kernel = |ty: QuantType| int8_row_kernel(ty, int8);
-    let xq = quantized_for(parts.iter().map(|p| p.0), x, int8);
-    // The tasks: each part's rows in runs of `task_len`.
+    let xq = quantized_for(parts.iter().map(|p| p.0), xs, inp, int8);
+    // The tasks: each part's rows in runs of `task_len` (`y` is `(outputs, nx)`).
     let mut tasks = Vec::new();
     let mut rest = y;
     for &(ty, data, row_bytes, rows) in parts {
-        let (mine, others) = rest.split_at_mut(rows);
+        let (mine, others) = rest.split_at_mut(rows * nx);
         rest = others;
         let len = task_len(rows, GROUP, ROWS_PER_TASK);
-        for (c, ys) in mine.chunks_mut(len).enumerate() {
+        for (c, ys) in mine.chunks_mut(len * nx).enumerate() {
             tasks.push((ty, data, row_bytes, c * len, ys));
         }
     }
-    let inp = x.len();
+    let x = Rows { xs, nx };
     let work =
         |(ty, data, row_bytes, j0, ys): &mut (QuantType, &[u8], usize, usize, &mut [f32])| {
             rows_of(
@@ -264,58 +378,67 @@ fn product(
                 data,
                 *row_bytes,
                 x,
-                int8_kernel(*ty).zip(xq.as_ref()),
+                int8_kernel(*ty).zip(xq.as_deref()),
                 *j0,
                 ys,
             )
         };
     let total: usize = parts.iter().map(|p| p.3).sum();
-    if total * inp < 1 << 16 {
+    if total * inp * nx < 1 << 16 {
         tasks.iter_mut().try_for_each(work)
     } else {
         keep_warm::run(|| tasks.par_iter_mut().try_for_each(work))
     }
 }
 
-/// `ys[r] = W[j0 + r] x` for the `ty` rows of `row_bytes` each in `data`: with the 8-bit
-/// kernel and `x` quantized where given, else on the row kernels, else four rows at a time
-/// dequantized into scratch.
+/// `ys[nx r + i] = W[j0 + r] x_i` for the `ty` rows of `row_bytes` each in `data` and the
+/// `nx` rows of `x`: with the 8-bit kernel and each `x_i` quantized where given, else on the
+/// row kernels, else four rows at a time dequantized into scratch.
 fn rows_of(
     ty: QuantType,
     data: &[u8],
     row_bytes: usize,
-    x: &[f32],
-    int8: Option<(Int8Dot, &QuantizedX)>,
+    x: Rows<'_>,
+    int8: Option<(Int8Dot, &[QuantizedX])>,
     j0: usize,
     ys: &mut [f32],
 ) -> Result<()> {
-    let inp = x.len();
+    let Rows { xs, nx } = x;
+    let inp = xs.len() / nx.max(1);
+    let count = ys.len() / nx.max(1);
+    let mine = &data[j0 * row_bytes..(j0 + count) * row_bytes];
     if let Some((int8_dot, xq)) = int8 {
-        // 8-bit activations (opted in): each row's integers against `x` quantized.
-        for (r, yv) in ys.iter_mut().enumerate() {
-            let at = (j0 + r) * row_bytes;
-            *yv = int8_dot(ty, &data[at..at + row_bytes], xq)
-                .ok_or_else(|| Error::Kernel(format!("{ty}: no 8-bit row kernel")))?;
+        // 8-bit activations (opted in): each row's integers against each `x_i` quantized.
+        for (row, yr) in mine.chunks_exact(row_bytes).zip(ys.chunks_exact_mut(nx)) {
+            for (yv, xq) in yr.iter_mut().zip(xq) {
+                *yv = int8_dot(ty, row, xq)
+                    .ok_or_else(|| Error::Kernel(format!("{ty}: no 8-bit row kernel")))?;
+            }
         }
-    } else if let Some(row_dot) = row_kernel(ty) {
-        // Each row unpacked in registers and summed as it is read.
-        for (r, yv) in ys.iter_mut().enumerate() {
-            let at = (j0 + r) * row_bytes;
-            *yv = row_dot(ty, &data[at..at + row_bytes], x)
-                .ok_or_else(|| Error::Kernel(format!("{ty}: no row kernel")))?;
+    } else if !kernel_rows(ty, mine, xs, nx, ys) {
+        if quant_gemv_avx512::supports(ty) || quant_gemv_avx2::supports(ty) {
+            return Err(Error::Kernel(format!(
+                "{ty}: the row kernel refused its rows"
+            )));
         }
-    } else {
-        with_scratch(GROUP * inp, |rows| {
-            for (g, yg) in ys.chunks_mut(GROUP).enumerate() {
+        with_scratch(GROUP * inp + GROUP, |rows| {
+            let (rows, dots) = rows.split_at_mut(GROUP * inp);
+            for (g, yg) in ys.chunks_mut(GROUP * nx).enumerate() {
                 let first = j0 + g * GROUP;
-                let (n, at) = (yg.len(), first * row_bytes);
+                let n = yg.len() / nx;
+                let at = first * row_bytes;
                 let w = &mut rows[..n * inp];
                 if !blocks::dequantize(ty, &data[at..at + n * row_bytes], w) {
                     return Err(Error::Kernel(format!(
                         "{ty} rows {first}.. do not dequantize"
                     )));
                 }
-                dot_rows(w, x, yg);
+                for (i, x) in xs.chunks_exact(inp).enumerate() {
+                    dot_rows(w, x, &mut dots[..n]);
+                    for (r, &v) in dots[..n].iter().enumerate() {
+                        yg[r * nx + i] = v;
+                    }
+                }
             }
             Ok(())
         })?;
@@ -347,11 +470,13 @@ mod tests {
             );
         }
         type Supports = fn(QuantType) -> bool;
+        type RowDot = fn(QuantType, &[u8], &[f32]) -> Option<f32>;
         let kernels: [(Supports, RowDot); 2] = [
             (quant_gemv_avx512::supports, quant_gemv_avx512::row_dot),
             (quant_gemv_avx2::supports, quant_gemv_avx2::row_dot),
         ];
-        for (supports, row_dot) in kernels {
+        for (kernel, (supports, row_dot)) in kernels.into_iter().enumerate() {
+            let avx512 = kernel == 0;
             for ty in ROW_KERNEL_TYPES {
                 if !supports(ty) {
                     continue;
@@ -381,6 +506,81 @@ mod tests {
                     );
                 }
                 assert!(row_dot(ty, &bytes[..row_bytes - 1], &x).is_none());
+                // Several rows of `x` at once: each sum the same bits as that row alone, for
+                // every count of rows the kernels take and a row stride of the output above it.
+                let xs = crate::kernels::test_values(4 * cols, 5);
+                let alone: Vec<Vec<f32>> = (0..rows)
+                    .map(|r| {
+                        xs.chunks_exact(cols)
+                            .map(|x| row_dot(ty, &bytes[r * row_bytes..(r + 1) * row_bytes], x))
+                            .collect::<Option<Vec<f32>>>()
+                            .unwrap_or_default()
+                    })
+                    .collect();
+                for nx in 1..=4 {
+                    let ldo = nx + 1;
+                    let mut ys = vec![f32::NAN; rows * ldo];
+                    let done = match (nx, avx512) {
+                        (1, true) => {
+                            quant_gemv_avx512::rows_dots::<1>(ty, &bytes, &xs[..cols], &mut ys, ldo)
+                        }
+                        (2, true) => quant_gemv_avx512::rows_dots::<2>(
+                            ty,
+                            &bytes,
+                            &xs[..2 * cols],
+                            &mut ys,
+                            ldo,
+                        ),
+                        (3, true) => quant_gemv_avx512::rows_dots::<3>(
+                            ty,
+                            &bytes,
+                            &xs[..3 * cols],
+                            &mut ys,
+                            ldo,
+                        ),
+                        (4, true) => {
+                            quant_gemv_avx512::rows_dots::<4>(ty, &bytes, &xs, &mut ys, ldo)
+                        }
+                        (1, false) => {
+                            quant_gemv_avx2::rows_dots::<1>(ty, &bytes, &xs[..cols], &mut ys, ldo)
+                        }
+                        (2, false) => quant_gemv_avx2::rows_dots::<2>(
+                            ty,
+                            &bytes,
+                            &xs[..2 * cols],
+                            &mut ys,
+                            ldo,
+                        ),
+                        _ => continue,
+                    };
+                    assert!(done, "{ty}: {nx} rows");
+                    for r in 0..rows {
+                        for i in 0..nx {
+                            let (got, want) = (ys[r * ldo + i], alone[r][i]);
+                            assert_eq!(got.to_bits(), want.to_bits(), "{ty} ({r}, {i}) of {nx}");
+                        }
+                        assert!(ys[r * ldo + nx].is_nan(), "{ty}: wrote past its rows");
+                    }
+                    // An output too short for the rows is refused.
+                    let mut short = vec![0f32; (rows - 1) * ldo + nx - 1];
+                    let refused = match avx512 {
+                        true => !quant_gemv_avx512::rows_dots::<1>(
+                            ty,
+                            &bytes,
+                            &xs[..cols],
+                            &mut short[..(rows - 1) * ldo],
+                            ldo,
+                        ),
+                        false => !quant_gemv_avx2::rows_dots::<1>(
+                            ty,
+                            &bytes,
+                            &xs[..cols],
+                            &mut short[..(rows - 1) * ldo],
+                            ldo,
+                        ),
+                    };
+                    assert!(refused, "{ty}: a short output");
+                }
                 // Each weight exactly as gguf-py makes it: the dot with a unit vector is that
                 // one value, with no rounding of its own.
                 let mut e = vec![0f32; cols];
@@ -422,7 +622,7 @@ mod tests {
                 quant_gemv(ty, &bytes, &x, Some(&bias), &mut got)
                     .map_err(crate::Error::into_candle)?;
                 for (j, (a, b)) in got.iter().zip(&want).enumerate() {
-                    if row_kernel(ty).is_some() {
+                    if quant_gemv_avx512::supports(ty) || quant_gemv_avx2::supports(ty) {
                         // Summed in another order: within f32 rounding of the magnitudes.
                         let row = &deq[j * inp..(j + 1) * inp];
                         let mag: f32 = row.iter().zip(&x).map(|(w, v)| (w * v).abs()).sum();
@@ -529,7 +729,7 @@ mod tests {
             let bias = crate::kernels::test_values(out, 4);
             let row_bytes = bytes.len() / out;
             let mut got = vec![f32::NAN; out];
-            product(&[(ty, &bytes, row_bytes, out)], &x, &mut got, true)
+            product(&[(ty, &bytes, row_bytes, out)], &x, 1, &mut got, true)
                 .map_err(crate::Error::into_candle)?;
             for (g, b) in got.iter_mut().zip(&bias) {
                 *g += b;

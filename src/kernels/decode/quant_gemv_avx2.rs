@@ -42,20 +42,51 @@ pub(crate) fn supports(ty: QuantType) -> bool {
 }
 
 /// `sum_k W[k] x[k]` for one row (`row`: whole blocks of `ty`, `x.len()` values); `None` when
-/// this CPU or type has no kernel here, or the sizes do not fit.
+/// this CPU or type has no kernel here, or the sizes do not fit (the tests' one-row form).
+#[cfg(test)]
 pub(crate) fn row_dot(ty: QuantType, row: &[u8], x: &[f32]) -> Option<f32> {
-    if !supports(ty) || ty.bytes_of(x.len()) != Some(row.len()) {
-        return None;
+    let mut out = [0f32];
+    rows_dots::<1>(ty, row, x, &mut out, 1).then_some(out[0])
+}
+
+/// `out[ldo j + r] = sum_k W[j, k] x_r[k]` for each whole row `j` of `rows` and each of the
+/// `R` rows of `xs` (`R` rows of `xs.len() / R` values): each block unpacked once for all of
+/// them, and each sum the same bits as for that row of `x` alone (the same accumulators,
+/// in the same order). `false`, writing nothing, when this CPU or type has no kernel here or
+/// the sizes do not fit.
+pub(crate) fn rows_dots<const R: usize>(
+    ty: QuantType,
+    rows: &[u8],
+    xs: &[f32],
+    out: &mut [f32],
+    ldo: usize,
+) -> bool {
+    let inp = xs.len() / R.max(1);
+    let Some(row_bytes) = ty.bytes_of(inp).filter(|&rb| rb > 0) else {
+        return false;
+    };
+    let n = rows.len() / row_bytes;
+    if R == 0
+        || !supports(ty)
+        || xs.len() != R * inp
+        || rows.len() != n * row_bytes
+        || ldo < R
+        || (n > 0 && out.len() < (n - 1) * ldo + R)
+    {
+        return false;
     }
     #[cfg(target_arch = "x86_64")]
     {
-        // SAFETY: AVX2, FMA and F16C checked by `supports`; `row` holds whole blocks for
-        // `x.len()` values.
-        Some(unsafe { row_dot_avx2(ty, row, x) })
+        // SAFETY: AVX2, FMA and F16C checked by `supports`; `rows` holds `n` rows of whole
+        // blocks for `inp` values, `xs` `R` rows of `inp` values, `out` `(n - 1) ldo + R`
+        // floats.
+        unsafe { rows_dots_avx2::<R>(ty, rows, row_bytes, xs.as_ptr(), inp, out, ldo) };
+        true
     }
     #[cfg(not(target_arch = "x86_64"))]
     {
-        None
+        let _ = (out, ldo);
+        false
     }
 }
 
@@ -64,15 +95,37 @@ use crate::kernels::decode::quant_gemv::kind::{Q4_0, Q4_1, Q5_0, Q5_1, Q8_0};
 
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx2,fma,f16c")]
-unsafe fn row_dot_avx2(ty: QuantType, row: &[u8], x: &[f32]) -> f32 {
+unsafe fn rows_dots_avx2<const R: usize>(
+    ty: QuantType,
+    rows: &[u8],
+    row_bytes: usize,
+    xs: *const f32,
+    inp: usize,
+    out: &mut [f32],
+    ldo: usize,
+) {
+    // One loop over the rows per type, the kernel inlined in it.
+    macro_rules! each_row {
+        ($row:ident => $dot:expr) => {
+            for (j, $row) in rows.chunks_exact(row_bytes).enumerate() {
+                let acc = $dot;
+                for (r, a) in acc.iter().enumerate() {
+                    out[j * ldo + r] = hsum(_mm256_add_ps(
+                        _mm256_add_ps(a[0], a[1]),
+                        _mm256_add_ps(a[2], a[3]),
+                    ));
+                }
+            }
+        };
+    }
     match ty {
-        QuantType::Q8_0 => dot_blocks::<Q8_0>(row, x),
-        QuantType::Q4_0 => dot_blocks::<Q4_0>(row, x),
-        QuantType::Q4_1 => dot_blocks::<Q4_1>(row, x),
-        QuantType::Q5_0 => dot_blocks::<Q5_0>(row, x),
-        QuantType::Q4K => dot_q4_k(row, x),
-        QuantType::Q6K => dot_q6_k(row, x),
-        _ => dot_blocks::<Q5_1>(row, x),
+        QuantType::Q8_0 => each_row!(row => dot_blocks::<Q8_0, R>(row, xs, inp)),
+        QuantType::Q4_0 => each_row!(row => dot_blocks::<Q4_0, R>(row, xs, inp)),
+        QuantType::Q4_1 => each_row!(row => dot_blocks::<Q4_1, R>(row, xs, inp)),
+        QuantType::Q5_0 => each_row!(row => dot_blocks::<Q5_0, R>(row, xs, inp)),
+        QuantType::Q4K => each_row!(row => dot_q4_k::<R>(row, xs, inp)),
+        QuantType::Q6K => each_row!(row => dot_q6_k::<R>(row, xs, inp)),
+        _ => each_row!(row => dot_blocks::<Q5_1, R>(row, xs, inp)),
     }
 }
 
@@ -208,28 +261,32 @@ unsafe fn block_values<const K: u8>(b: *const u8) -> [__m256; 4] {
     w
 }
 
-/// The dot product of whole `K` blocks with `x`: four accumulators, one horizontal sum.
+/// The dot products of whole `K` blocks with each of `R` rows of `x` (row stride `inp`):
+/// four accumulators a row, summed by the caller.
 ///
 /// # Safety
-/// AVX2, FMA and F16C; `row` holds `x.len() / 32` whole blocks.
+/// AVX2, FMA and F16C; `row` holds `inp / 32` whole blocks, `xp` `R` rows of `inp` values.
 #[cfg(target_arch = "x86_64")]
 #[inline]
 #[target_feature(enable = "avx2,fma,f16c")]
-unsafe fn dot_blocks<const K: u8>(row: &[u8], x: &[f32]) -> f32 {
+unsafe fn dot_blocks<const K: u8, const R: usize>(
+    row: &[u8],
+    xp: *const f32,
+    inp: usize,
+) -> [[__m256; 4]; R] {
     let size = kind::quant_type(K).block_bytes();
-    let (bp, xp) = (row.as_ptr(), x.as_ptr());
-    let mut acc = [_mm256_setzero_ps(); 4];
-    for i in 0..x.len() / 32 {
+    let bp = row.as_ptr();
+    let mut acc = [[_mm256_setzero_ps(); 4]; R];
+    for i in 0..inp / 32 {
         let w = block_values::<K>(bp.add(i * size));
-        let xb = xp.add(i * 32);
-        for (g, a) in acc.iter_mut().enumerate() {
-            *a = _mm256_fmadd_ps(w[g], _mm256_loadu_ps(xb.add(8 * g)), *a);
+        for (r, acc) in acc.iter_mut().enumerate() {
+            let xb = xp.add(r * inp + i * 32);
+            for (g, a) in acc.iter_mut().enumerate() {
+                *a = _mm256_fmadd_ps(w[g], _mm256_loadu_ps(xb.add(8 * g)), *a);
+            }
         }
     }
-    hsum(_mm256_add_ps(
-        _mm256_add_ps(acc[0], acc[1]),
-        _mm256_add_ps(acc[2], acc[3]),
-    ))
+    acc
 }
 
 /// `acc += (dl * q - ml) * x` over 32 unsigned byte values `q` (gguf-py's Q4_K form: the
@@ -237,12 +294,21 @@ unsafe fn dot_blocks<const K: u8>(row: &[u8], x: &[f32]) -> f32 {
 #[cfg(target_arch = "x86_64")]
 #[inline]
 #[target_feature(enable = "avx2,fma,f16c")]
-unsafe fn fma_scaled_min(q: __m256i, dl: __m256, ml: __m256, x: *const f32, acc: &mut [__m256; 4]) {
+unsafe fn fma_scaled_min<const R: usize>(
+    q: __m256i,
+    dl: __m256,
+    ml: __m256,
+    x: *const f32,
+    inp: usize,
+    acc: &mut [[__m256; 4]; R],
+) {
     let halves = [_mm256_castsi256_si128(q), _mm256_extracti128_si256(q, 1)];
-    for (g, a) in acc.iter_mut().enumerate() {
+    for g in 0..4 {
         let lanes = byte_lanes::<false>(halves[g / 2], g % 2 == 1);
         let w = _mm256_fmsub_ps(dl, _mm256_cvtepi32_ps(lanes), ml);
-        *a = _mm256_fmadd_ps(w, _mm256_loadu_ps(x.add(8 * g)), *a);
+        for (r, a) in acc.iter_mut().enumerate() {
+            a[g] = _mm256_fmadd_ps(w, _mm256_loadu_ps(x.add(r * inp + 8 * g)), a[g]);
+        }
     }
 }
 
@@ -250,12 +316,13 @@ unsafe fn fma_scaled_min(q: __m256i, dl: __m256, ml: __m256, x: *const f32, acc:
 /// is `d * sc_g * q - dmin * m_g` over the low (even `g`) or high (odd) nibbles of
 /// `qs[32 (g / 2)..][..32]`.
 #[cfg(target_arch = "x86_64")]
+#[inline]
 #[target_feature(enable = "avx2,fma,f16c")]
-unsafe fn dot_q4_k(row: &[u8], x: &[f32]) -> f32 {
-    let (bp, xp) = (row.as_ptr(), x.as_ptr());
-    let mut acc = [_mm256_setzero_ps(); 4];
+unsafe fn dot_q4_k<const R: usize>(row: &[u8], xp: *const f32, inp: usize) -> [[__m256; 4]; R] {
+    let bp = row.as_ptr();
+    let mut acc = [[_mm256_setzero_ps(); 4]; R];
     let nibbles = _mm256_set1_epi8(0x0F);
-    for blk in 0..x.len() / 256 {
+    for blk in 0..inp / 256 {
         let b = bp.add(blk * 144);
         // `dl` (`d * sc`) and `ml` of the 8 groups, lane g for group g.
         let dm = halves_at(b);
@@ -277,14 +344,11 @@ unsafe fn dot_q4_k(row: &[u8], x: &[f32]) -> f32 {
                     _mm256_permutevar8x32_ps(dls, g),
                     _mm256_permutevar8x32_ps(mls, g),
                 );
-                fma_scaled_min(q, dl, ml, xg.add(32 * half), &mut acc);
+                fma_scaled_min(q, dl, ml, xg.add(32 * half), inp, &mut acc);
             }
         }
     }
-    hsum(_mm256_add_ps(
-        _mm256_add_ps(acc[0], acc[1]),
-        _mm256_add_ps(acc[2], acc[3]),
-    ))
+    acc
 }
 
 /// Q6_K rows: `{ u8 ql[128]; u8 qh[64]; i8 scales[16]; f16 d }` per 256 values; value
@@ -292,13 +356,14 @@ unsafe fn dot_q4_k(row: &[u8], x: &[f32]) -> f32 {
 /// bits from `ql[64 h + 32 (t % 2) + l] >> 4 (t / 2)` and the high two from
 /// `qh[32 h + l] >> 2 t`.
 #[cfg(target_arch = "x86_64")]
+#[inline]
 #[target_feature(enable = "avx2,fma,f16c")]
-unsafe fn dot_q6_k(row: &[u8], x: &[f32]) -> f32 {
-    let (bp, xp) = (row.as_ptr(), x.as_ptr());
-    let mut acc = [_mm256_setzero_ps(); 4];
+unsafe fn dot_q6_k<const R: usize>(row: &[u8], xp: *const f32, inp: usize) -> [[__m256; 4]; R] {
+    let bp = row.as_ptr();
+    let mut acc = [[_mm256_setzero_ps(); 4]; R];
     let (nibbles, twos) = (_mm256_set1_epi8(0x0F), _mm256_set1_epi8(0x03));
     let thirty_two = _mm256_set1_epi8(32);
-    for blk in 0..x.len() / 256 {
+    for blk in 0..inp / 256 {
         let b = bp.add(blk * 210);
         // `d * scales[g]`: lane g of `dls[g / 8]`.
         let d = _mm256_set1_ps(half_before(b.add(210)));
@@ -327,21 +392,21 @@ unsafe fn dot_q6_k(row: &[u8], x: &[f32]) -> f32 {
                 let halves = [_mm256_castsi256_si128(q), _mm256_extracti128_si256(q, 1)];
                 let g = 8 * h + 2 * t;
                 let xv = xp.add(blk * 256 + 128 * h + 32 * t);
-                for (k, a) in acc.iter_mut().enumerate() {
+                for k in 0..4 {
                     // Lanes 16 (k / 2)..: scale g + k / 2.
                     let s = g + k / 2;
                     let dl = _mm256_permutevar8x32_ps(dls[s / 8], _mm256_set1_epi32(s as i32 % 8));
                     let v = byte_lanes::<true>(halves[k / 2], k % 2 == 1);
                     let w = _mm256_mul_ps(dl, _mm256_cvtepi32_ps(v));
-                    *a = _mm256_fmadd_ps(w, _mm256_loadu_ps(xv.add(8 * k)), *a);
+                    for (r, a) in acc.iter_mut().enumerate() {
+                        let xr = xv.add(r * inp + 8 * k);
+                        a[k] = _mm256_fmadd_ps(w, _mm256_loadu_ps(xr), a[k]);
+                    }
                 }
             }
         }
     }
-    hsum(_mm256_add_ps(
-        _mm256_add_ps(acc[0], acc[1]),
-        _mm256_add_ps(acc[2], acc[3]),
-    ))
+    acc
 }
 
 #[cfg(all(test, target_arch = "x86_64"))]

@@ -39,19 +39,50 @@ pub(crate) fn supports(ty: QuantType) -> bool {
 }
 
 /// `sum_k W[k] x[k]` for one row (`row`: whole blocks of `ty`, `x.len()` values); `None` when
-/// this CPU or type has no kernel here, or the sizes do not fit.
+/// this CPU or type has no kernel here, or the sizes do not fit (the tests' one-row form).
+#[cfg(test)]
 pub(crate) fn row_dot(ty: QuantType, row: &[u8], x: &[f32]) -> Option<f32> {
-    if !supports(ty) || ty.bytes_of(x.len()) != Some(row.len()) {
-        return None;
+    let mut out = [0f32];
+    rows_dots::<1>(ty, row, x, &mut out, 1).then_some(out[0])
+}
+
+/// `out[ldo j + r] = sum_k W[j, k] x_r[k]` for each whole row `j` of `rows` and each of the
+/// `R` rows of `xs` (`R` rows of `xs.len() / R` values): each block unpacked once for all of
+/// them, and each sum the same bits as for that row of `x` alone (the same accumulators,
+/// in the same order). `false`, writing nothing, when this CPU or type has no kernel here or
+/// the sizes do not fit.
+pub(crate) fn rows_dots<const R: usize>(
+    ty: QuantType,
+    rows: &[u8],
+    xs: &[f32],
+    out: &mut [f32],
+    ldo: usize,
+) -> bool {
+    let inp = xs.len() / R.max(1);
+    let Some(row_bytes) = ty.bytes_of(inp).filter(|&rb| rb > 0) else {
+        return false;
+    };
+    let n = rows.len() / row_bytes;
+    if R == 0
+        || !supports(ty)
+        || xs.len() != R * inp
+        || rows.len() != n * row_bytes
+        || ldo < R
+        || (n > 0 && out.len() < (n - 1) * ldo + R)
+    {
+        return false;
     }
     #[cfg(target_arch = "x86_64")]
     {
-        // SAFETY: AVX-512F checked by `supports`; `row` holds `x.len() / 32` whole blocks.
-        Some(unsafe { row_dot_avx512(ty, row, x) })
+        // SAFETY: AVX-512F checked by `supports`; `rows` holds `n` rows of `inp / 32` whole
+        // blocks, `xs` `R` rows of `inp` values, `out` `(n - 1) ldo + R` floats.
+        unsafe { rows_dots_avx512::<R>(ty, rows, row_bytes, xs.as_ptr(), inp, out, ldo) };
+        true
     }
     #[cfg(not(target_arch = "x86_64"))]
     {
-        None
+        let _ = (out, ldo);
+        false
     }
 }
 
@@ -59,17 +90,42 @@ pub(crate) fn row_dot(ty: QuantType, row: &[u8], x: &[f32]) -> Option<f32> {
 #[cfg(target_arch = "x86_64")]
 use crate::kernels::decode::quant_gemv::kind::{Q4_0, Q4_1, Q5_0, Q5_1, Q8_0};
 
+/// [`rows_dots`] once checked.
+///
+/// # Safety
+/// AVX-512F; `rows` holds whole rows of `row_bytes` (`inp / 32` blocks of `ty` each), `xs`
+/// `R` rows of `inp` values, `out` `(rows - 1) ldo + R` floats.
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx512f")]
-unsafe fn row_dot_avx512(ty: QuantType, row: &[u8], x: &[f32]) -> f32 {
+unsafe fn rows_dots_avx512<const R: usize>(
+    ty: QuantType,
+    rows: &[u8],
+    row_bytes: usize,
+    xs: *const f32,
+    inp: usize,
+    out: &mut [f32],
+    ldo: usize,
+) {
+    // One loop over the rows per type, the kernel inlined in it.
+    macro_rules! each_row {
+        ($row:ident => $dot:expr) => {
+            for (j, $row) in rows.chunks_exact(row_bytes).enumerate() {
+                let acc = $dot;
+                for (r, a) in acc.iter().enumerate() {
+                    let sum = _mm512_add_ps(_mm512_add_ps(a[0], a[1]), _mm512_add_ps(a[2], a[3]));
+                    out[j * ldo + r] = _mm512_reduce_add_ps(sum);
+                }
+            }
+        };
+    }
     match ty {
-        QuantType::Q8_0 => dot_blocks::<Q8_0>(row, x),
-        QuantType::Q4_0 => dot_blocks::<Q4_0>(row, x),
-        QuantType::Q4_1 => dot_blocks::<Q4_1>(row, x),
-        QuantType::Q5_0 => dot_blocks::<Q5_0>(row, x),
-        QuantType::Q4K => dot_q4_k(row, x),
-        QuantType::Q6K => dot_q6_k(row, x),
-        _ => dot_blocks::<Q5_1>(row, x),
+        QuantType::Q8_0 => each_row!(row => dot_blocks::<Q8_0, R>(row, xs, inp)),
+        QuantType::Q4_0 => each_row!(row => dot_blocks::<Q4_0, R>(row, xs, inp)),
+        QuantType::Q4_1 => each_row!(row => dot_blocks::<Q4_1, R>(row, xs, inp)),
+        QuantType::Q5_0 => each_row!(row => dot_blocks::<Q5_0, R>(row, xs, inp)),
+        QuantType::Q4K => each_row!(row => dot_q4_k::<R>(row, xs, inp)),
+        QuantType::Q6K => each_row!(row => dot_q6_k::<R>(row, xs, inp)),
+        _ => each_row!(row => dot_blocks::<Q5_1, R>(row, xs, inp)),
     }
 }
 
@@ -79,14 +135,15 @@ unsafe fn row_dot_avx512(ty: QuantType, row: &[u8], x: &[f32]) -> f32 {
 /// hold: `dl = d * sc_g` (11 by 6 significant bits) and `dl * q` (17 by 4) are exact in f32,
 /// so one fused `dl * q - ml` rounds as gguf-py's product then difference.
 #[cfg(target_arch = "x86_64")]
+#[inline]
 #[target_feature(enable = "avx512f")]
-unsafe fn dot_q4_k(row: &[u8], x: &[f32]) -> f32 {
-    let (bp, xp) = (row.as_ptr(), x.as_ptr());
-    let mut acc = [_mm512_setzero_ps(); 4];
+unsafe fn dot_q4_k<const R: usize>(row: &[u8], xp: *const f32, inp: usize) -> [[__m512; 4]; R] {
+    let bp = row.as_ptr();
+    let mut acc = [[_mm512_setzero_ps(); 4]; R];
     let iota = iota16();
     // Lanes 0..8 pick `d`, lanes 8..16 `dmin`.
     let d_then_dmin = _mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1);
-    for blk in 0..x.len() / 256 {
+    for blk in 0..inp / 256 {
         let b = bp.add(blk * 144);
         // Lanes 0..8: `dl` of the 8 groups (`d * sc`); lanes 8..16: their `ml`.
         let dm = _mm512_castps128_ps512(halves_at(b));
@@ -106,13 +163,15 @@ unsafe fn dot_q4_k(row: &[u8], x: &[f32]) -> f32 {
                 let bytes = _mm512_cvtepu8_epi32(_mm_loadu_si128(qs.add(h)));
                 let lo = _mm512_permutexvar_ps(bytes, t0);
                 let hi = _mm512_permutexvar_ps(_mm512_srli_epi32::<4>(bytes), t1);
-                acc[h] = _mm512_fmadd_ps(lo, _mm512_loadu_ps(xg.add(16 * h)), acc[h]);
-                acc[2 + h] = _mm512_fmadd_ps(hi, _mm512_loadu_ps(xg.add(32 + 16 * h)), acc[2 + h]);
+                for (r, a) in acc.iter_mut().enumerate() {
+                    let xr = xg.add(r * inp);
+                    a[h] = _mm512_fmadd_ps(lo, _mm512_loadu_ps(xr.add(16 * h)), a[h]);
+                    a[2 + h] = _mm512_fmadd_ps(hi, _mm512_loadu_ps(xr.add(32 + 16 * h)), a[2 + h]);
+                }
             }
         }
     }
-    let sum = _mm512_add_ps(_mm512_add_ps(acc[0], acc[1]), _mm512_add_ps(acc[2], acc[3]));
-    _mm512_reduce_add_ps(sum)
+    acc
 }
 
 /// Q6_K rows: `{ u8 ql[128]; u8 qh[64]; i8 scales[16]; f16 d }` per 256 values; value
@@ -120,13 +179,14 @@ unsafe fn dot_q4_k(row: &[u8], x: &[f32]) -> f32 {
 /// bits from `ql[64 h + 32 (t % 2) + l] >> 4 (t / 2)` and the high two from
 /// `qh[32 h + l] >> 2 t`.
 #[cfg(target_arch = "x86_64")]
+#[inline]
 #[target_feature(enable = "avx512f")]
-unsafe fn dot_q6_k(row: &[u8], x: &[f32]) -> f32 {
-    let (bp, xp) = (row.as_ptr(), x.as_ptr());
-    let mut acc = [_mm512_setzero_ps(); 4];
+unsafe fn dot_q6_k<const R: usize>(row: &[u8], xp: *const f32, inp: usize) -> [[__m512; 4]; R] {
+    let bp = row.as_ptr();
+    let mut acc = [[_mm512_setzero_ps(); 4]; R];
     let (nibbles, twos) = (_mm256_set1_epi8(0x0F), _mm256_set1_epi8(0x03));
     let thirty_two = _mm256_set1_epi8(32);
-    for blk in 0..x.len() / 256 {
+    for blk in 0..inp / 256 {
         let b = bp.add(blk * 210);
         // `d * scales[g]` in lane g.
         let scales = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(
@@ -156,46 +216,55 @@ unsafe fn dot_q6_k(row: &[u8], x: &[f32]) -> f32 {
                 let a = 2 * (t % 2);
                 let w0 = _mm512_mul_ps(dl0, _mm512_cvtepi32_ps(v0));
                 let w1 = _mm512_mul_ps(dl1, _mm512_cvtepi32_ps(v1));
-                acc[a] = _mm512_fmadd_ps(w0, _mm512_loadu_ps(xv), acc[a]);
-                acc[a + 1] = _mm512_fmadd_ps(w1, _mm512_loadu_ps(xv.add(16)), acc[a + 1]);
+                for (r, acc) in acc.iter_mut().enumerate() {
+                    let xr = xv.add(r * inp);
+                    acc[a] = _mm512_fmadd_ps(w0, _mm512_loadu_ps(xr), acc[a]);
+                    acc[a + 1] = _mm512_fmadd_ps(w1, _mm512_loadu_ps(xr.add(16)), acc[a + 1]);
+                }
             }
         }
     }
-    let sum = _mm512_add_ps(_mm512_add_ps(acc[0], acc[1]), _mm512_add_ps(acc[2], acc[3]));
-    _mm512_reduce_add_ps(sum)
+    acc
 }
 
-/// The dot product of whole `K` blocks with `x`: four accumulators (two blocks in flight),
-/// one horizontal sum at the end.
+/// The dot products of whole `K` blocks with each of `R` rows of `x` (row stride `inp`):
+/// four accumulators a row (two blocks in flight), summed by the caller.
 ///
 /// # Safety
-/// AVX-512F; `row` holds `x.len() / 32` whole blocks.
+/// AVX-512F; `row` holds `inp / 32` whole blocks, `xp` `R` rows of `inp` values.
 #[cfg(target_arch = "x86_64")]
 #[inline]
 #[target_feature(enable = "avx512f")]
-unsafe fn dot_blocks<const K: u8>(row: &[u8], x: &[f32]) -> f32 {
+unsafe fn dot_blocks<const K: u8, const R: usize>(
+    row: &[u8],
+    xp: *const f32,
+    inp: usize,
+) -> [[__m512; 4]; R] {
     let size = kind::quant_type(K).block_bytes();
-    let n = x.len() / 32;
-    let (bp, xp) = (row.as_ptr(), x.as_ptr());
-    let mut acc = [_mm512_setzero_ps(); 4];
+    let n = inp / 32;
+    let bp = row.as_ptr();
+    let mut acc = [[_mm512_setzero_ps(); 4]; R];
     let mut i = 0;
     while i + 2 <= n {
         for u in 0..2 {
             let (lo, hi) = block_values::<K>(bp.add((i + u) * size));
-            let xb = xp.add((i + u) * 32);
-            acc[2 * u] = _mm512_fmadd_ps(lo, _mm512_loadu_ps(xb), acc[2 * u]);
-            acc[2 * u + 1] = _mm512_fmadd_ps(hi, _mm512_loadu_ps(xb.add(16)), acc[2 * u + 1]);
+            for (r, a) in acc.iter_mut().enumerate() {
+                let xb = xp.add(r * inp + (i + u) * 32);
+                a[2 * u] = _mm512_fmadd_ps(lo, _mm512_loadu_ps(xb), a[2 * u]);
+                a[2 * u + 1] = _mm512_fmadd_ps(hi, _mm512_loadu_ps(xb.add(16)), a[2 * u + 1]);
+            }
         }
         i += 2;
     }
     if i < n {
         let (lo, hi) = block_values::<K>(bp.add(i * size));
-        let xb = xp.add(i * 32);
-        acc[0] = _mm512_fmadd_ps(lo, _mm512_loadu_ps(xb), acc[0]);
-        acc[1] = _mm512_fmadd_ps(hi, _mm512_loadu_ps(xb.add(16)), acc[1]);
+        for (r, a) in acc.iter_mut().enumerate() {
+            let xb = xp.add(r * inp + i * 32);
+            a[0] = _mm512_fmadd_ps(lo, _mm512_loadu_ps(xb), a[0]);
+            a[1] = _mm512_fmadd_ps(hi, _mm512_loadu_ps(xb.add(16)), a[1]);
+        }
     }
-    let sum = _mm512_add_ps(_mm512_add_ps(acc[0], acc[1]), _mm512_add_ps(acc[2], acc[3]));
-    _mm512_reduce_add_ps(sum)
+    acc
 }
 
 /// `0, 1, ..., 15` as f32 lanes.
