@@ -117,41 +117,55 @@ fn pack(parts: &[Part<'_>], cols: usize, group: usize) -> Option<(AlignedFloats,
     let ok = data
         .par_chunks_mut(panel_words)
         .enumerate()
-        .map(|(p, panel)| {
-            // The panel's rows in integer form first, then the panel written in order.
+        .all(|(p, panel)| {
             let width = PANEL.min(n - p * PANEL);
-            let mut q = vec![0u8; width * cols];
-            let (mut s, mut m) = (vec![0f32; width * groups], vec![0f32; width * groups]);
-            for (c, ((qc, sc), mc)) in q
-                .chunks_exact_mut(cols)
-                .zip(s.chunks_exact_mut(groups))
-                .zip(m.chunks_exact_mut(groups))
-                .enumerate()
-            {
-                match row(p * PANEL + c) {
-                    Some((ty, bytes)) if integer_row(ty, bytes, group, qc, sc, mc) => {}
-                    _ => return false,
-                }
-            }
-            for (g, words) in panel.chunks_exact_mut(group_words(group)).enumerate() {
-                let (ints, scales) = words.split_at_mut(group * PANEL / 4);
-                for (t, line) in ints.chunks_exact_mut(PANEL).enumerate() {
-                    let at = g * group + 4 * t;
-                    for (word, qc) in line.iter_mut().zip(q.chunks_exact(cols)) {
-                        let four = [qc[at], qc[at + 1], qc[at + 2], qc[at + 3]];
-                        *word = f32::from_bits(u32::from_le_bytes(four));
-                    }
-                }
-                let (sw, mw) = scales.split_at_mut(PANEL);
-                for c in 0..width {
-                    sw[c] = s[c * groups + g];
-                    mw[c] = m[c * groups + g];
-                }
-            }
-            true
-        })
-        .all(|ok| ok);
+            fill_panel(panel, width, cols, group, |c| row(p * PANEL + c))
+        });
     ok.then_some((data, panels))
+}
+
+/// One panel of `width` columns whose rows `row(c)` gives (its type and bytes), in groups of
+/// `group`: the rows in integer form first, then the panel written in order. `false` when a
+/// row has no integer form or does not fit. Kept out of line: inlined into its caller, it
+/// compiled slower (a 20-token 8-bit Q8_0 prompt 39.7 -> 42.8 ms).
+#[inline(never)]
+fn fill_panel<'a>(
+    panel: &mut [f32],
+    width: usize,
+    cols: usize,
+    group: usize,
+    row: impl Fn(usize) -> Option<(QuantType, &'a [u8])>,
+) -> bool {
+    let groups = cols / group;
+    let mut q = vec![0u8; width * cols];
+    let (mut s, mut m) = (vec![0f32; width * groups], vec![0f32; width * groups]);
+    for (c, ((qc, sc), mc)) in q
+        .chunks_exact_mut(cols)
+        .zip(s.chunks_exact_mut(groups))
+        .zip(m.chunks_exact_mut(groups))
+        .enumerate()
+    {
+        match row(c) {
+            Some((ty, bytes)) if integer_row(ty, bytes, group, qc, sc, mc) => {}
+            _ => return false,
+        }
+    }
+    for (g, words) in panel.chunks_exact_mut(group_words(group)).enumerate() {
+        let (ints, scales) = words.split_at_mut(group * PANEL / 4);
+        for (t, line) in ints.chunks_exact_mut(PANEL).enumerate() {
+            let at = g * group + 4 * t;
+            for (word, qc) in line.iter_mut().zip(q.chunks_exact(cols)) {
+                let four = [qc[at], qc[at + 1], qc[at + 2], qc[at + 3]];
+                *word = f32::from_bits(u32::from_le_bytes(four));
+            }
+        }
+        let (sw, mw) = scales.split_at_mut(PANEL);
+        for c in 0..width {
+            sw[c] = s[c * groups + g];
+            mw[c] = m[c * groups + g];
+        }
+    }
+    true
 }
 
 /// Raw output pointer shared by the tasks (each writes its own rows x panel columns).
