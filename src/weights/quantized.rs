@@ -37,14 +37,14 @@ enum Blocks {
 
 /// Up to how many input rows are multiplied on the blocks as they are read (the row kernels,
 /// each block once for all rows); more by the weight dequantized once for the call into
-/// packed panels (or repacked as integers, 8-bit). Where the two took the same time in
-/// 512-token SmolLM2 prompts, 2 threads, AMD Zen 4 (docs/performance.md): ~64 rows with the
-/// AVX-512 row kernels (4 rows of `x` a pass), ~24-32 with the AVX2 ones (2 a pass), ~20
-/// against the 8-bit prompt product.
+/// packed panels (or repacked as integers, 8-bit). Where the two took about the same time
+/// in SmolLM2 prompts, 2 threads, AMD Zen 4 (docs/performance.md): ~64 rows with the AVX-512
+/// row kernels (4 rows of `x` a pass), ~24-32 with the AVX2 ones (2 a pass), ~12-16 against
+/// the 8-bit prompt product.
 fn few_rows() -> usize {
     use crate::kernels::simd::{isa, Isa};
     if int8_activations() && int8_product::available() {
-        16
+        12
     } else if matches!(isa(), Isa::Avx512) {
         48
     } else {
