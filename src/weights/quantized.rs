@@ -42,10 +42,10 @@ enum Blocks {
 /// row kernels (4 rows of `x` a pass), ~24-32 with the AVX2 ones (2 a pass), ~12-16 against
 /// the 8-bit prompt product.
 fn few_rows() -> usize {
-    use crate::kernels::simd::{isa, Isa};
+    use crate::kernels::decode::quant_gemv_avx512;
     if int8_activations() && int8_product::available() {
         12
-    } else if matches!(isa(), Isa::Avx512) {
+    } else if quant_gemv_avx512::supports(QuantType::Q8_0) {
         48
     } else {
         24
