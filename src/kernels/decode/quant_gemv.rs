@@ -99,7 +99,10 @@ fn kernel_rows(ty: QuantType, rows: &[u8], xs: &[f32], nx: usize, ys: &mut [f32]
             let mut first = 0;
             while first < nx {
                 let take = most.min(nx - first);
-                let (x, y) = (&xs[first * inp..(first + take) * inp], &mut ys[first..]);
+                let x = &xs[first * inp..(first + take) * inp];
+                let Some(y) = ys.get_mut(first..) else {
+                    return false;
+                };
                 let done = match take {
                     $($r => $module::rows_dots::<$r>(ty, rows, x, y, nx),)+
                     _ => false,
@@ -406,7 +409,9 @@ fn rows_of(
     let Rows { xs, nx } = x;
     let inp = xs.len() / nx.max(1);
     let count = ys.len() / nx.max(1);
-    let mine = &data[j0 * row_bytes..(j0 + count) * row_bytes];
+    let mine = data
+        .get(j0 * row_bytes..(j0 + count) * row_bytes)
+        .ok_or_else(|| Error::Kernel(format!("{ty} rows {j0}..{} past the weight", j0 + count)))?;
     if let Some((int8_dot, xq)) = int8 {
         // 8-bit activations (opted in): each row's integers against each `x_i` quantized.
         for (row, yr) in mine.chunks_exact(row_bytes).zip(ys.chunks_exact_mut(nx)) {
