@@ -83,6 +83,28 @@ pub(crate) mod kind {
     }
 }
 
+/// `(inputs a row of x, bytes a weight row)` when `rows` (whole rows of `ty`), `xs` (`r` rows
+/// of `x`) and `out` (row stride `ldo`, `r` values a weight row) fit together for the row
+/// kernels' `rows_dots`; `None` otherwise.
+pub(crate) fn rows_dots_shape(
+    ty: QuantType,
+    rows: &[u8],
+    xs: &[f32],
+    r: usize,
+    out: &[f32],
+    ldo: usize,
+) -> Option<(usize, usize)> {
+    let inp = xs.len() / r.max(1);
+    let row_bytes = ty.bytes_of(inp).filter(|&rb| rb > 0)?;
+    let n = rows.len() / row_bytes;
+    let fits = r > 0
+        && xs.len() == r * inp
+        && rows.len() == n * row_bytes
+        && ldo >= r
+        && (n == 0 || out.len() >= (n - 1) * ldo + r);
+    fits.then_some((inp, row_bytes))
+}
+
 /// An 8-bit row kernel's signature: `sum_k W[k] x[k]` for one row of `ty` blocks against
 /// `x` quantized.
 type Int8Dot = fn(QuantType, &[u8], &QuantizedX) -> Option<f32>;

@@ -11,6 +11,7 @@ use std::arch::x86_64::*;
 
 #[cfg(target_arch = "x86_64")]
 use crate::kernels::decode::quant_gemv::kind;
+use crate::kernels::decode::quant_gemv::rows_dots_shape;
 #[cfg(target_arch = "x86_64")]
 use crate::kernels::decode::quant_gemv::ROW_KERNEL_TYPES;
 #[cfg(target_arch = "x86_64")]
@@ -49,11 +50,9 @@ pub(crate) fn row_dot(ty: QuantType, row: &[u8], x: &[f32]) -> Option<f32> {
     rows_dots::<1>(ty, row, x, &mut out, 1).then_some(out[0])
 }
 
-/// `out[ldo j + r] = sum_k W[j, k] x_r[k]` for each whole row `j` of `rows` and each of the
-/// `R` rows of `xs` (`R` rows of `xs.len() / R` values): each block unpacked once for all of
-/// them, and each sum the same bits as for that row of `x` alone (the same accumulators,
-/// in the same order). `false`, writing nothing, when this CPU or type has no kernel here or
-/// the sizes do not fit.
+/// The AVX2 + FMA + F16C form of `quant_gemv_avx512::rows_dots` (the same contract: `out[ldo
+/// j + r]` for weight row `j` and row `r` of `xs`, each sum the same bits as that row alone;
+/// `false` when this CPU or type has no kernel here or the sizes do not fit).
 pub(crate) fn rows_dots<const R: usize>(
     ty: QuantType,
     rows: &[u8],
@@ -61,20 +60,10 @@ pub(crate) fn rows_dots<const R: usize>(
     out: &mut [f32],
     ldo: usize,
 ) -> bool {
-    let inp = xs.len() / R.max(1);
-    let Some(row_bytes) = ty.bytes_of(inp).filter(|&rb| rb > 0) else {
+    let shape = rows_dots_shape(ty, rows, xs, R, out, ldo);
+    let Some((inp, row_bytes)) = shape.filter(|_| supports(ty)) else {
         return false;
     };
-    let n = rows.len() / row_bytes;
-    if R == 0
-        || !supports(ty)
-        || xs.len() != R * inp
-        || rows.len() != n * row_bytes
-        || ldo < R
-        || (n > 0 && out.len() < (n - 1) * ldo + R)
-    {
-        return false;
-    }
     #[cfg(target_arch = "x86_64")]
     {
         // SAFETY: AVX2, FMA and F16C checked by `supports`; `rows` holds `n` rows of whole
@@ -85,7 +74,7 @@ pub(crate) fn rows_dots<const R: usize>(
     }
     #[cfg(not(target_arch = "x86_64"))]
     {
-        let _ = (out, ldo);
+        let _ = (out, ldo, inp, row_bytes);
         false
     }
 }

@@ -15,6 +15,7 @@ use std::arch::x86_64::*;
 
 #[cfg(target_arch = "x86_64")]
 use crate::kernels::decode::quant_gemv::kind;
+use crate::kernels::decode::quant_gemv::rows_dots_shape;
 #[cfg(target_arch = "x86_64")]
 use crate::kernels::decode::quant_gemv::ROW_KERNEL_TYPES;
 #[cfg(target_arch = "x86_64")]
@@ -58,20 +59,10 @@ pub(crate) fn rows_dots<const R: usize>(
     out: &mut [f32],
     ldo: usize,
 ) -> bool {
-    let inp = xs.len() / R.max(1);
-    let Some(row_bytes) = ty.bytes_of(inp).filter(|&rb| rb > 0) else {
+    let shape = rows_dots_shape(ty, rows, xs, R, out, ldo);
+    let Some((inp, row_bytes)) = shape.filter(|_| supports(ty)) else {
         return false;
     };
-    let n = rows.len() / row_bytes;
-    if R == 0
-        || !supports(ty)
-        || xs.len() != R * inp
-        || rows.len() != n * row_bytes
-        || ldo < R
-        || (n > 0 && out.len() < (n - 1) * ldo + R)
-    {
-        return false;
-    }
     #[cfg(target_arch = "x86_64")]
     {
         // SAFETY: AVX-512F checked by `supports`; `rows` holds `n` rows of `inp / 32` whole
@@ -81,7 +72,7 @@ pub(crate) fn rows_dots<const R: usize>(
     }
     #[cfg(not(target_arch = "x86_64"))]
     {
-        let _ = (out, ldo);
+        let _ = (out, ldo, inp, row_bytes);
         false
     }
 }

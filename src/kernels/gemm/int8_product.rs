@@ -25,6 +25,8 @@ use rayon::prelude::*;
 use crate::error::{Error, Result};
 use crate::kernels::decode::quant_gemv_vnni;
 use crate::kernels::gemm::aligned::AlignedFloats;
+#[cfg(target_arch = "x86_64")]
+use crate::kernels::gemm::packed::OutPtr;
 use crate::kernels::quant::blocks::QuantType;
 use crate::kernels::quant::integer_form::{group_values, integer_row};
 
@@ -168,20 +170,6 @@ fn fill_panel<'a>(
     true
 }
 
-/// Raw output pointer shared by the tasks (each writes its own rows x panel columns).
-#[derive(Clone, Copy)]
-struct OutPtr(*mut f32);
-// SAFETY: tasks write disjoint elements (distinct (row block, panel) pairs).
-unsafe impl Send for OutPtr {}
-// SAFETY: see above.
-unsafe impl Sync for OutPtr {}
-
-impl OutPtr {
-    fn get(self) -> *mut f32 {
-        self.0
-    }
-}
-
 /// `x W_p^T` `(rows, sum of the parts' rows)` for `rows` f32 input rows `xs` of `cols`
 /// values and weights `parts` stacked along the outputs, with `x` quantized to 8 bits;
 /// `Ok(None)` when this CPU has no such kernels or a part has no integer form (a float type).
@@ -249,19 +237,18 @@ fn multiply(
             // which no other task touches, and the tasks tile the whole output before
             // `set_len`.
             unsafe {
-                tile_of(
-                    tile_rows,
-                    group,
+                let at = Tile {
                     groups,
-                    x.qs.as_ptr().add(r * cols),
-                    cols,
-                    x.dx.as_ptr().add(r * groups),
-                    x.sx.as_ptr().add(r * groups),
-                    data.as_ptr().add(p * panel_words),
-                    ptr.get().add(r * n + p * PANEL),
-                    n,
+                    qx: x.qs.as_ptr().add(r * cols),
+                    ldx: cols,
+                    dx: x.dx.as_ptr().add(r * groups),
+                    sx: x.sx.as_ptr().add(r * groups),
+                    panel: data.as_ptr().add(p * panel_words),
+                    out: ptr.get().add(r * n + p * PANEL),
+                    ldo: n,
                     width,
-                );
+                };
+                tile_of(tile_rows, group, at);
             }
         }
     };
@@ -274,15 +261,10 @@ fn multiply(
     Some(out)
 }
 
-/// [`tile`] for `rows` (1..=4) rows and groups of `group` (16 or 32).
-///
-/// # Safety
-/// As [`tile`].
+/// Where a tile reads and writes (see [`tile`]).
 #[cfg(target_arch = "x86_64")]
-#[allow(clippy::too_many_arguments)]
-unsafe fn tile_of(
-    rows: usize,
-    group: usize,
+#[derive(Clone, Copy)]
+struct Tile {
     groups: usize,
     qx: *const i8,
     ldx: usize,
@@ -292,10 +274,17 @@ unsafe fn tile_of(
     out: *mut f32,
     ldo: usize,
     width: usize,
-) {
+}
+
+/// [`tile`] for `rows` (1..=4) rows and groups of `group` (16 or 32).
+///
+/// # Safety
+/// As [`tile`].
+#[cfg(target_arch = "x86_64")]
+unsafe fn tile_of(rows: usize, group: usize, at: Tile) {
     macro_rules! go {
         ($r:literal, $g:literal) => {
-            tile::<$r, $g>(groups, qx, ldx, dx, sx, panel, out, ldo, width)
+            tile::<$r, $g>(at)
         };
     }
     match (rows, group == 16) {
@@ -314,24 +303,24 @@ unsafe fn tile_of(
 /// as in the module's formula.
 ///
 /// # Safety
-/// AVX-512 F and VNNI; `qx` addresses `R` rows of `groups * G` readable bytes (row stride
+/// AVX-512 F and VNNI; in `at`: `qx` addresses `R` rows of `groups * G` readable bytes (row stride
 /// `ldx`), `dx` and `sx` `R` rows of `groups` floats (row stride `groups`), `panel` a
 /// 64-byte-aligned panel of `groups` groups of `G`, `out` `R` rows of `width <= 48`
 /// writable floats (row stride `ldo`).
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx512f,avx512bw,avx512vnni,fma")]
-#[allow(clippy::too_many_arguments)]
-unsafe fn tile<const R: usize, const G: usize>(
-    groups: usize,
-    qx: *const i8,
-    ldx: usize,
-    dx: *const f32,
-    sx: *const f32,
-    panel: *const f32,
-    out: *mut f32,
-    ldo: usize,
-    width: usize,
-) {
+unsafe fn tile<const R: usize, const G: usize>(at: Tile) {
+    let Tile {
+        groups,
+        qx,
+        ldx,
+        dx,
+        sx,
+        panel,
+        out,
+        ldo,
+        width,
+    } = at;
     let gw = group_words(G);
     let mut acc = [[_mm512_setzero_ps(); NC]; R];
     for g in 0..groups {

@@ -314,14 +314,14 @@ fn stacked_rows(parts: &[HalfRows<'_>], k: usize, n: usize) -> Result<Vec<(usize
 
 /// Raw output pointer shared by the tasks (each writes its own rows x panel columns).
 #[derive(Clone, Copy)]
-struct OutPtr(*mut f32);
+pub(crate) struct OutPtr(pub(crate) *mut f32);
 // SAFETY: tasks write disjoint elements (distinct (row block, panel) pairs).
 unsafe impl Send for OutPtr {}
 // SAFETY: see above.
 unsafe impl Sync for OutPtr {}
 
 impl OutPtr {
-    fn get(self) -> *mut f32 {
+    pub(crate) fn get(self) -> *mut f32 {
         self.0
     }
 }
