@@ -282,16 +282,16 @@ pub(crate) fn quant_gemv_gated_rows(
     let work = |(c, ys): (usize, &mut [f32])| -> Result<()> {
         let j0 = c * len;
         rows_of(gt, gd, grb, x, int8_kernel(gt).zip(xq.as_deref()), j0, ys)?;
-        let mut u = vec![0f32; ys.len()];
-        rows_of(
-            ut,
-            ud,
-            urb,
-            x,
-            int8_kernel(ut).zip(xq.as_deref()),
-            j0,
-            &mut u,
-        )?;
+        // The up projection's rows: on the stack for a decode step's task.
+        let (mut stack, mut heap) = ([0f32; ROWS_PER_TASK], Vec::new());
+        let u: &mut [f32] = match stack.get_mut(..ys.len()) {
+            Some(u) => u,
+            None => {
+                heap.resize(ys.len(), 0f32);
+                &mut heap
+            }
+        };
+        rows_of(ut, ud, urb, x, int8_kernel(ut).zip(xq.as_deref()), j0, u)?;
         for (g, &u) in ys.iter_mut().zip(u.iter()) {
             *g = *g / (1.0 + (-*g).exp()) * u;
         }
