@@ -1,9 +1,9 @@
 #!/usr/bin/env bash
 # How far `--int8-activations` (8-bit activations, llama.cpp's precision) keeps to the exact
 # greedy ids: for each GGUF file and prompt, 24 greedy tokens (EOS ignored) exact and 8-bit,
-# and the number of leading ids the 8-bit run shares with the exact one. Prompts of up to 8
-# tokens run on the row kernels alone; the longer ones' prompts go through the 8-bit prompt
-# product (AVX-512 VNNI). Beside ours, llama.cpp's own greedy ids on the same prompt ids,
+# and the number of leading ids the 8-bit run shares with the exact one. The short prompts
+# run on the 8-bit row kernels alone; the longer ones (over 24 tokens) go through the 8-bit
+# prompt product (AVX-512 VNNI). Beside ours, llama.cpp's own greedy ids on the same prompt ids,
 # counted the same way, where llama-cpp-python is installed (PYTHON=...).
 #
 #   benches/int8_agreement.sh [FILE.gguf ...]     (default: models/SmolLM2-135M-Instruct.*.gguf)
@@ -22,13 +22,15 @@ BIN="${CARGO_TARGET_DIR:-target}/release/examples/generate"
 have_llama=0
 "$PY" -c 'import llama_cpp, numpy' 2>/dev/null && have_llama=1
 short=("The capital of France is" "Once upon a time" "def fibonacci(n):" "The meaning of life is" "Water boils at")
-long=("The history of the Roman Empire is long and complicated, and historians still argue about why it fell."
-  "Write a short poem about the ocean at night, with the moon shining on the waves."
+long=("The history of the Roman Empire is long and complicated, and historians still argue about why it fell. Some blame the economy, others the army, and others the sheer size of the empire."
+  "Write a short poem about the ocean at night, with the moon shining on the waves and a lonely lighthouse keeper watching the ships pass by in the dark."
   "def quicksort(arr):
     if len(arr) <= 1:
-        return arr"
-  "Photosynthesis is the process by which green plants and some other organisms use sunlight to"
-  "In a small village at the foot of the mountains, there lived an old man who")
+        return arr
+    pivot = arr[len(arr) // 2]
+    left = [x for x in arr if x < pivot]"
+  "Photosynthesis is the process by which green plants and some other organisms use sunlight to make their food. In this process, carbon dioxide and water are turned into"
+  "In a small village at the foot of the mountains, there lived an old man who had a very unusual hobby. Every morning, before the sun came up, he would")
 field() { python3 -c "import json, sys; print(json.load(sys.stdin)['$1'])"; }
 leading() { python3 -c "a, b = $1, $2; print(next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), len(a)))"; }
 printf '| file | prompts | ours --int8-activations | llama.cpp |\n|---|---|---|---|\n'

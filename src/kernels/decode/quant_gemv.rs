@@ -435,7 +435,31 @@ fn rows_of(
         .get(j0 * row_bytes..(j0 + count) * row_bytes)
         .ok_or_else(|| Error::Kernel(format!("{ty} rows {j0}..{} past the weight", j0 + count)))?;
     if let Some((int8_dot, xq)) = int8 {
-        // 8-bit activations (opted in): each row's integers against each `x_i` quantized.
+        // 8-bit activations (opted in): each row's integers against each `x_i` quantized,
+        // with VNNI each pair of blocks unpacked once for up to 4 rows of `x`.
+        if quant_gemv_vnni::supports(ty) {
+            let mut first = 0;
+            while first < nx {
+                let take = 4.min(nx - first);
+                let (x, y) = (
+                    &xq[first..first + take],
+                    ys.get_mut(first..).unwrap_or_default(),
+                );
+                let done = match take {
+                    4 => quant_gemv_vnni::rows_dots::<4>(ty, mine, x, y, nx),
+                    3 => quant_gemv_vnni::rows_dots::<3>(ty, mine, x, y, nx),
+                    2 => quant_gemv_vnni::rows_dots::<2>(ty, mine, x, y, nx),
+                    _ => quant_gemv_vnni::rows_dots::<1>(ty, mine, x, y, nx),
+                };
+                if !done {
+                    return Err(Error::Kernel(format!(
+                        "{ty}: the 8-bit kernel refused its rows"
+                    )));
+                }
+                first += take;
+            }
+            return Ok(());
+        }
         for (row, yr) in mine.chunks_exact(row_bytes).zip(ys.chunks_exact_mut(nx)) {
             for (yv, xq) in yr.iter_mut().zip(xq) {
                 *yv = int8_dot(ty, row, xq)

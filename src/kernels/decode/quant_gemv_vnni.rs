@@ -185,26 +185,84 @@ pub(crate) fn supports(ty: QuantType) -> bool {
 /// `sum_k W[k] x[k]` for one row of `ty` blocks against `x` quantized; `None` when this CPU
 /// or type has no kernel here, or the sizes do not fit.
 pub(crate) fn row_dot(ty: QuantType, row: &[u8], x: &QuantizedX) -> Option<f32> {
-    if !supports(ty) || ty.bytes_of(x.qs.len()) != Some(row.len()) {
-        return None;
+    let mut out = [0f32];
+    rows_dots::<1>(ty, row, std::slice::from_ref(x), &mut out, 1).then_some(out[0])
+}
+
+/// `out[ldo j + r] = sum_k W[j, k] x_r[k]` for each whole row `j` of `rows` and each of the
+/// `R` quantized rows `xs` (all of one length): each pair of blocks unpacked once for all of
+/// them, each sum the same bits as [`row_dot`] gives that row alone. `false`, writing
+/// nothing, when this CPU or type has no kernel here or the sizes do not fit.
+pub(crate) fn rows_dots<const R: usize>(
+    ty: QuantType,
+    rows: &[u8],
+    xs: &[QuantizedX],
+    out: &mut [f32],
+    ldo: usize,
+) -> bool {
+    let Some(inp) = xs.first().map(|x| x.qs.len()) else {
+        return false;
+    };
+    let Some(row_bytes) = ty.bytes_of(inp).filter(|&rb| rb > 0) else {
+        return false;
+    };
+    let n = rows.len() / row_bytes;
+    if !supports(ty)
+        || xs.len() != R
+        || xs
+            .iter()
+            .any(|x| x.qs.len() != inp || x.d.len() * 32 != inp)
+        || rows.len() != n * row_bytes
+        || ldo < R
+        || (n > 0 && out.len() < (n - 1) * ldo + R)
+    {
+        return false;
     }
     #[cfg(target_arch = "x86_64")]
     {
-        use crate::kernels::decode::quant_gemv::kind::{Q4_0, Q4_1, Q5_0, Q5_1, Q8_0};
-        // SAFETY: the features checked by `supports`; `row` holds `x.d.len()` whole blocks.
-        Some(unsafe {
-            match ty {
-                QuantType::Q8_0 => dot_pairs::<Q8_0>(row.as_ptr(), x),
-                QuantType::Q4_0 => dot_pairs::<Q4_0>(row.as_ptr(), x),
-                QuantType::Q4_1 => dot_pairs::<Q4_1>(row.as_ptr(), x),
-                QuantType::Q5_0 => dot_pairs::<Q5_0>(row.as_ptr(), x),
-                _ => dot_pairs::<Q5_1>(row.as_ptr(), x),
-            }
-        })
+        // SAFETY: the features checked by `supports`; `rows` holds `n` rows of
+        // `inp / 32` whole blocks, each of `xs` `inp` values, `out` `(n - 1) ldo + R`
+        // floats.
+        unsafe { rows_dots_vnni::<R>(ty, rows, row_bytes, xs, out, ldo) };
+        true
     }
     #[cfg(not(target_arch = "x86_64"))]
     {
-        None
+        let _ = (out, ldo, row_bytes);
+        false
+    }
+}
+
+/// [`rows_dots`] once checked: one loop over the rows per type.
+///
+/// # Safety
+/// As [`dot_pairs`], for each row of `rows` (whole rows of `row_bytes`); `out` holds
+/// `(rows - 1) ldo + R` floats.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,f16c,fma,avx2")]
+unsafe fn rows_dots_vnni<const R: usize>(
+    ty: QuantType,
+    rows: &[u8],
+    row_bytes: usize,
+    xs: &[QuantizedX],
+    out: &mut [f32],
+    ldo: usize,
+) {
+    use crate::kernels::decode::quant_gemv::kind::{Q4_0, Q4_1, Q5_0, Q5_1, Q8_0};
+    macro_rules! each_row {
+        ($k:ident) => {
+            for (j, row) in rows.chunks_exact(row_bytes).enumerate() {
+                let sums = dot_pairs::<$k, R>(row.as_ptr(), xs);
+                out[j * ldo..j * ldo + R].copy_from_slice(&sums);
+            }
+        };
+    }
+    match ty {
+        QuantType::Q8_0 => each_row!(Q8_0),
+        QuantType::Q4_0 => each_row!(Q4_0),
+        QuantType::Q4_1 => each_row!(Q4_1),
+        QuantType::Q5_0 => each_row!(Q5_0),
+        _ => each_row!(Q5_1),
     }
 }
 
@@ -213,14 +271,19 @@ pub(crate) fn row_dot(ty: QuantType, row: &[u8], x: &QuantizedX) -> Option<f32> 
 /// spread to the lanes each block's sums are in), the offset or `m` terms summed apart; a
 /// last odd block in 256 bits (`quant_gemv_int8_avx2::block`).
 ///
+/// For each of the `R` rows of `xs`, the block pair unpacked once for all of them, each
+/// row's own accumulators in the same order as alone.
+///
 /// # Safety
-/// AVX-512 F, BW, VL, VNNI, F16C and FMA; `b0` points at `x.d.len()` whole blocks.
+/// AVX-512 F, BW, VL, VNNI, F16C and FMA; `xs` holds `R` rows of one length, `b0` points at
+/// `xs[0].d.len()` whole blocks.
 #[cfg(target_arch = "x86_64")]
+#[inline]
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,f16c,fma,avx2")]
-unsafe fn dot_pairs<const K: u8>(b0: *const u8, x: &QuantizedX) -> f32 {
+unsafe fn dot_pairs<const K: u8, const R: usize>(b0: *const u8, xs: &[QuantizedX]) -> [f32; R] {
     use crate::kernels::decode::quant_gemv::kind::{self, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0};
     let size = kind::quant_type(K).block_bytes();
-    let n = x.d.len();
+    let n = xs[0].d.len();
     // Lanes of the sums: Q8_0's blocks in order (8 lanes each); the others' halves
     // interleaved (4 lanes of each block's first 16 values, then of its last 16).
     let spread = if K == Q8_0 {
@@ -228,12 +291,15 @@ unsafe fn dot_pairs<const K: u8>(b0: *const u8, x: &QuantizedX) -> f32 {
     } else {
         _mm512_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1, 0, 0, 0, 0, 1, 1, 1, 1)
     };
-    let (mut acc, mut terms) = (_mm512_setzero_ps(), _mm_setzero_ps());
-    let xs = if K == Q8_0 {
-        x.qs.as_ptr()
-    } else {
-        x.halves.as_ptr()
-    };
+    let (mut acc, mut terms) = ([_mm512_setzero_ps(); R], [_mm_setzero_ps(); R]);
+    let mut xq = [std::ptr::null::<i8>(); R];
+    for (q, x) in xq.iter_mut().zip(xs) {
+        *q = if K == Q8_0 {
+            x.qs.as_ptr()
+        } else {
+            x.halves.as_ptr()
+        };
+    }
     let half = |p: *const u8| u32::from(u16::from_le_bytes([*p, *p.add(1)]));
     for p in 0..n / 2 {
         let (a, b) = (b0.add(2 * p * size), b0.add((2 * p + 1) * size));
@@ -268,11 +334,6 @@ unsafe fn dot_pairs<const K: u8>(b0: *const u8, x: &QuantizedX) -> f32 {
                 w
             }
         };
-        let sums = _mm512_dpbusd_epi32(
-            _mm512_setzero_si512(),
-            w,
-            _mm512_loadu_si512(xs.add(64 * p) as *const _),
-        );
         // (d_a, d_b) and, for Q4_1 and Q5_1, (m_a, m_b) as f32 lanes 0 and 1.
         let (d, m) = if K == Q4_1 || K == Q5_1 {
             let dm = _mm_cvtph_ps(_mm_set_epi32(0, 0, read_u32(b) as i32, read_u32(a) as i32));
@@ -284,27 +345,40 @@ unsafe fn dot_pairs<const K: u8>(b0: *const u8, x: &QuantizedX) -> f32 {
             let dd = _mm_cvtph_ps(_mm_cvtsi32_si128((half(a) | half(b) << 16) as i32));
             (dd, dd)
         };
-        let dx = _mm_castpd_ps(_mm_load_sd(x.d.as_ptr().add(2 * p) as *const f64));
-        let scale = _mm512_permutexvar_ps(spread, _mm512_castps128_ps512(_mm_mul_ps(d, dx)));
-        acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sums), scale, acc);
         let factor = match K {
             Q4_0 => _mm_mul_ps(m, _mm_set1_ps(-8.0)),
             Q5_0 => _mm_mul_ps(m, _mm_set1_ps(-16.0)),
             Q8_0 => _mm_mul_ps(m, _mm_set1_ps(-128.0)),
             _ => m,
         };
-        let dsum = _mm_castpd_ps(_mm_load_sd(x.dsum.as_ptr().add(2 * p) as *const f64));
-        terms = _mm_fmadd_ps(factor, dsum, terms);
+        for r in 0..R {
+            let x = &xs[r];
+            let sums = _mm512_dpbusd_epi32(
+                _mm512_setzero_si512(),
+                w,
+                _mm512_loadu_si512(xq[r].add(64 * p) as *const _),
+            );
+            let dx = _mm_castpd_ps(_mm_load_sd(x.d.as_ptr().add(2 * p) as *const f64));
+            let scale = _mm512_permutexvar_ps(spread, _mm512_castps128_ps512(_mm_mul_ps(d, dx)));
+            acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sums), scale, acc[r]);
+            let dsum = _mm_castpd_ps(_mm_load_sd(x.dsum.as_ptr().add(2 * p) as *const f64));
+            terms[r] = _mm_fmadd_ps(factor, dsum, terms[r]);
+        }
     }
-    let mut total =
-        _mm512_reduce_add_ps(acc) + _mm_cvtss_f32(_mm_add_ss(terms, _mm_movehdup_ps(terms)));
-    if n % 2 == 1 {
-        // The last block alone, as the AVX2 kernel takes it (the same integer sum).
-        let (mut v, mut t) = (_mm256_setzero_ps(), 0f32);
-        quant_gemv_int8_avx2::block::<K>(b0.add((n - 1) * size), x, n - 1, &mut v, &mut t);
-        total += hsum(v) + t;
+    let mut out = [0f32; R];
+    for (r, o) in out.iter_mut().enumerate() {
+        let t = terms[r];
+        let mut total =
+            _mm512_reduce_add_ps(acc[r]) + _mm_cvtss_f32(_mm_add_ss(t, _mm_movehdup_ps(t)));
+        if n % 2 == 1 {
+            // The last block alone, as the AVX2 kernel takes it (the same integer sum).
+            let (mut v, mut t) = (_mm256_setzero_ps(), 0f32);
+            quant_gemv_int8_avx2::block::<K>(b0.add((n - 1) * size), &xs[r], n - 1, &mut v, &mut t);
+            total += hsum(v) + t;
+        }
+        *o = total;
     }
-    total
+    out
 }
 
 /// The little-endian u32 at `p`.
@@ -381,6 +455,54 @@ mod tests {
     /// summed in f64, within f32 rounding of the magnitudes: the integer sums, the offsets
     /// and the `m` terms are right, and the only error against the f32 product is `x`'s
     /// quantization.
+    #[test]
+    fn several_rows_of_x_sum_as_each_alone() -> candle_core::Result<()> {
+        for (ty, cols) in TYPES.into_iter().flat_map(|t| [(t, 576), (t, 608)]) {
+            if !supports(ty) {
+                continue;
+            }
+            let rows = 7;
+            let w = crate::kernels::test_values(rows * cols, 17);
+            let q = QTensor::quantize(&Tensor::from_vec(w, (rows, cols), &Device::Cpu)?, ggml(ty))?;
+            let bytes = q.data()?;
+            let row_bytes = bytes.len() / rows;
+            let xs: Vec<QuantizedX> = (0..4)
+                .map(|i| QuantizedX::new(&crate::kernels::test_values(cols, 20 + i)))
+                .collect::<Option<_>>()
+                .expect("whole blocks");
+            let ldo = 6;
+            for nx in 1..=4 {
+                let mut out = vec![f32::NAN; rows * ldo];
+                let done = match nx {
+                    1 => rows_dots::<1>(ty, &bytes, &xs[..1], &mut out, ldo),
+                    2 => rows_dots::<2>(ty, &bytes, &xs[..2], &mut out, ldo),
+                    3 => rows_dots::<3>(ty, &bytes, &xs[..3], &mut out, ldo),
+                    _ => rows_dots::<4>(ty, &bytes, &xs, &mut out, ldo),
+                };
+                assert!(done, "{ty} {cols}: {nx} rows");
+                for r in 0..rows {
+                    let row = &bytes[r * row_bytes..(r + 1) * row_bytes];
+                    for (i, x) in xs[..nx].iter().enumerate() {
+                        let alone = row_dot(ty, row, x).expect("a kernel");
+                        assert_eq!(
+                            out[r * ldo + i].to_bits(),
+                            alone.to_bits(),
+                            "{ty} ({r}, {i})"
+                        );
+                    }
+                    assert!(out[r * ldo + nx].is_nan(), "{ty}: wrote past its rows");
+                }
+            }
+            // Rows of `x` of another length, or too short an output, are refused.
+            let short =
+                QuantizedX::new(&crate::kernels::test_values(cols - 32, 1)).expect("blocks");
+            let mixed = [xs[0].clone(), short];
+            assert!(!rows_dots::<2>(ty, &bytes, &mixed, &mut [0f32; 64], 2));
+            assert!(!rows_dots::<1>(ty, &bytes, &xs[..1], &mut [0f32; 3], 1));
+        }
+        Ok(())
+    }
+
     #[test]
     fn equals_the_weight_times_the_quantized_x() -> candle_core::Result<()> {
         type Supports = fn(QuantType) -> bool;
