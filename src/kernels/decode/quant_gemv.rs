@@ -115,35 +115,47 @@ type Int8Dot = fn(QuantType, &[u8], &QuantizedX) -> Option<f32>;
 /// of `x` at a time; `false` when the CPU or type has none (rows dequantized into scratch).
 fn kernel_rows(ty: QuantType, rows: &[u8], xs: &[f32], nx: usize, ys: &mut [f32]) -> bool {
     let inp = xs.len() / nx.max(1);
-    macro_rules! chunks {
-        ($module:ident, $($r:literal),+) => {{
-            let most = [$($r),+][0];
-            let mut first = 0;
-            while first < nx {
-                let take = most.min(nx - first);
-                let x = &xs[first * inp..(first + take) * inp];
-                let Some(y) = ys.get_mut(first..) else {
-                    return false;
-                };
-                let done = match take {
-                    $($r => $module::rows_dots::<$r>(ty, rows, x, y, nx),)+
-                    _ => false,
-                };
-                if !done {
-                    return false;
-                }
-                first += take;
-            }
-            true
-        }};
-    }
     if quant_gemv_avx512::supports(ty) {
-        chunks!(quant_gemv_avx512, 4, 3, 2, 1)
+        in_runs(nx, 4, |first, take| {
+            let x = &xs[first * inp..(first + take) * inp];
+            let Some(y) = ys.get_mut(first..) else {
+                return false;
+            };
+            match take {
+                4 => quant_gemv_avx512::rows_dots::<4>(ty, rows, x, y, nx),
+                3 => quant_gemv_avx512::rows_dots::<3>(ty, rows, x, y, nx),
+                2 => quant_gemv_avx512::rows_dots::<2>(ty, rows, x, y, nx),
+                _ => quant_gemv_avx512::rows_dots::<1>(ty, rows, x, y, nx),
+            }
+        })
     } else if quant_gemv_avx2::supports(ty) {
-        chunks!(quant_gemv_avx2, 2, 1)
+        in_runs(nx, 2, |first, take| {
+            let x = &xs[first * inp..(first + take) * inp];
+            let Some(y) = ys.get_mut(first..) else {
+                return false;
+            };
+            match take {
+                2 => quant_gemv_avx2::rows_dots::<2>(ty, rows, x, y, nx),
+                _ => quant_gemv_avx2::rows_dots::<1>(ty, rows, x, y, nx),
+            }
+        })
     } else {
         false
     }
+}
+
+/// `f(first, take)` for the rows `0..nx` of `x` in runs of at most `most`, in order; `false`
+/// at the first run `f` refuses.
+fn in_runs(nx: usize, most: usize, mut f: impl FnMut(usize, usize) -> bool) -> bool {
+    let mut first = 0;
+    while first < nx {
+        let take = most.min(nx - first);
+        if !f(first, take) {
+            return false;
+        }
+        first += take;
+    }
+    true
 }
 
 /// `y[j] = sum_k W[j, k] x[k] (+ bias[j])` for `W` `(y.len(), x.len())` stored as `ty` rows
@@ -438,27 +450,25 @@ fn rows_of(
         // 8-bit activations (opted in): each row's integers against each `x_i` quantized,
         // with VNNI each pair of blocks unpacked once for up to 4 rows of `x`.
         if quant_gemv_vnni::supports(ty) {
-            let mut first = 0;
-            while first < nx {
-                let take = 4.min(nx - first);
-                let (x, y) = (
-                    &xq[first..first + take],
-                    ys.get_mut(first..).unwrap_or_default(),
-                );
-                let done = match take {
+            let done = in_runs(nx, 4, |first, take| {
+                let x = &xq[first..first + take];
+                let Some(y) = ys.get_mut(first..) else {
+                    return false;
+                };
+                match take {
                     4 => quant_gemv_vnni::rows_dots::<4>(ty, mine, x, y, nx),
                     3 => quant_gemv_vnni::rows_dots::<3>(ty, mine, x, y, nx),
                     2 => quant_gemv_vnni::rows_dots::<2>(ty, mine, x, y, nx),
                     _ => quant_gemv_vnni::rows_dots::<1>(ty, mine, x, y, nx),
-                };
-                if !done {
-                    return Err(Error::Kernel(format!(
-                        "{ty}: the 8-bit kernel refused its rows"
-                    )));
                 }
-                first += take;
-            }
-            return Ok(());
+            });
+            return if done {
+                Ok(())
+            } else {
+                Err(Error::Kernel(format!(
+                    "{ty}: the 8-bit kernel refused its rows"
+                )))
+            };
         }
         for (row, yr) in mine.chunks_exact(row_bytes).zip(ys.chunks_exact_mut(nx)) {
             for (yv, xq) in yr.iter_mut().zip(xq) {
