@@ -97,17 +97,31 @@ unsafe fn rows_dots_avx512<const R: usize>(
     out: &mut [f32],
     ldo: usize,
 ) {
-    // One loop over the rows per type, the kernel inlined in it.
+    // One loop over the rows per type, the kernel inlined in it; the rows' sums reduced
+    // 16 at a time (one transposing tree instead of a horizontal sum per row).
     macro_rules! each_row {
-        ($row:ident => $dot:expr) => {
+        ($row:ident => $dot:expr) => {{
+            let mut pending = [[_mm512_setzero_ps(); 16]; R];
+            let mut first = 0;
             for (j, $row) in rows.chunks_exact(row_bytes).enumerate() {
                 let acc = $dot;
                 for (r, a) in acc.iter().enumerate() {
-                    let sum = _mm512_add_ps(_mm512_add_ps(a[0], a[1]), _mm512_add_ps(a[2], a[3]));
-                    out[j * ldo + r] = _mm512_reduce_add_ps(sum);
+                    pending[r][j - first] =
+                        _mm512_add_ps(_mm512_add_ps(a[0], a[1]), _mm512_add_ps(a[2], a[3]));
+                }
+                if j + 1 - first == 16 {
+                    write_sums(&pending, 16, &mut out[first * ldo..], ldo);
+                    first = j + 1;
                 }
             }
-        };
+            let left = rows.len() / row_bytes - first;
+            if left > 0 {
+                for p in pending.iter_mut() {
+                    p[left..].fill(_mm512_setzero_ps());
+                }
+                write_sums(&pending, left, &mut out[first * ldo..], ldo);
+            }
+        }};
     }
     match ty {
         QuantType::Q8_0 => each_row!(row => dot_blocks::<Q8_0, R>(row, xs, inp)),
@@ -118,6 +132,57 @@ unsafe fn rows_dots_avx512<const R: usize>(
         QuantType::Q6K => each_row!(row => dot_q6_k::<R>(row, xs, inp)),
         _ => each_row!(row => dot_blocks::<Q5_1, R>(row, xs, inp)),
     }
+}
+
+/// `out[ldo i + r]` = the sum of `pending[r][i]`'s lanes for `i < n`.
+#[cfg(target_arch = "x86_64")]
+#[inline]
+#[target_feature(enable = "avx512f")]
+unsafe fn write_sums<const R: usize>(
+    pending: &[[__m512; 16]; R],
+    n: usize,
+    out: &mut [f32],
+    ldo: usize,
+) {
+    for (r, p) in pending.iter().enumerate() {
+        let mut sums = [0f32; 16];
+        _mm512_storeu_ps(sums.as_mut_ptr(), sum16(p));
+        for (i, &s) in sums.iter().take(n).enumerate() {
+            out[i * ldo + r] = s;
+        }
+    }
+}
+
+/// Lane `i` = the sum of `v[i]`'s 16 lanes, in an order that depends on `v[i]` alone.
+#[cfg(target_arch = "x86_64")]
+#[inline]
+#[target_feature(enable = "avx512f")]
+unsafe fn sum16(v: &[__m512; 16]) -> __m512 {
+    // Pairs: per 128-bit lane (a0 + a2, b0 + b2, a1 + a3, b1 + b3).
+    let w: [__m512; 8] = std::array::from_fn(|i| {
+        let (a, b) = (v[2 * i], v[2 * i + 1]);
+        _mm512_add_ps(_mm512_unpacklo_ps(a, b), _mm512_unpackhi_ps(a, b))
+    });
+    // Fours: per 128-bit lane, one partial sum of each of 4 rows.
+    let x: [__m512; 4] = std::array::from_fn(|i| {
+        let (a, b) = (_mm512_castps_pd(w[2 * i]), _mm512_castps_pd(w[2 * i + 1]));
+        _mm512_add_ps(
+            _mm512_castpd_ps(_mm512_unpacklo_pd(a, b)),
+            _mm512_castpd_ps(_mm512_unpackhi_pd(a, b)),
+        )
+    });
+    // The four 128-bit lanes of each summed; lane group k holds rows 4k..4k + 4.
+    let y: [__m512; 2] = std::array::from_fn(|i| {
+        let (a, b) = (x[2 * i], x[2 * i + 1]);
+        _mm512_add_ps(
+            _mm512_shuffle_f32x4::<0b10_00_10_00>(a, b),
+            _mm512_shuffle_f32x4::<0b11_01_11_01>(a, b),
+        )
+    });
+    _mm512_add_ps(
+        _mm512_shuffle_f32x4::<0b10_00_10_00>(y[0], y[1]),
+        _mm512_shuffle_f32x4::<0b11_01_11_01>(y[0], y[1]),
+    )
 }
 
 /// Q4_K rows: `{ f16 d; f16 dmin; u8 scales[12]; u8 qs[128] }` per 256 values; group `g`
@@ -362,6 +427,41 @@ unsafe fn block_values<const K: u8>(b: *const u8) -> (__m512, __m512) {
                 _mm512_permutex2var_ps(t0, lo, t1),
                 _mm512_permutex2var_ps(t0, hi, t1),
             )
+        }
+    }
+}
+#[cfg(all(test, target_arch = "x86_64"))]
+mod tests {
+    use super::*;
+
+    /// Each lane is its vector's sum, and the same bits whatever the other vectors hold
+    /// (the rows reduced together, or padding zeros, do not change a row's sum).
+    #[test]
+    fn sum16_gives_each_vector_its_own_sum() {
+        if !is_x86_feature_detected!("avx512f") {
+            return;
+        }
+        let lanes = |i: usize| -> [f32; 16] {
+            std::array::from_fn(|k| ((i * 16 + k) as f32 * 0.37).sin() * 10f32.powi(k as i32 % 5))
+        };
+        // SAFETY: AVX-512F checked above.
+        unsafe {
+            let v: [__m512; 16] = std::array::from_fn(|i| _mm512_loadu_ps(lanes(i).as_ptr()));
+            let mut all = [0f32; 16];
+            _mm512_storeu_ps(all.as_mut_ptr(), sum16(&v));
+            for (i, &got) in all.iter().enumerate() {
+                let want: f64 = lanes(i).iter().map(|&x| f64::from(x)).sum();
+                let size: f64 = lanes(i).iter().map(|&x| f64::from(x.abs())).sum();
+                assert!(
+                    (f64::from(got) - want).abs() <= 1e-6 * size,
+                    "{i}: {got} vs {want}"
+                );
+                let mut alone = [_mm512_setzero_ps(); 16];
+                alone[i] = v[i];
+                let mut one = [0f32; 16];
+                _mm512_storeu_ps(one.as_mut_ptr(), sum16(&alone));
+                assert_eq!(one[i].to_bits(), got.to_bits(), "{i}");
+            }
         }
     }
 }
