@@ -9,6 +9,8 @@
 //! The weight's integers go in as unsigned bytes: Q4_0's `q - 8`, Q5_0's `q - 16` and
 //! Q8_0's signed `q` (its bytes XOR 0x80, `q + 128`) are summed as `q` plus an offset whose
 //! term, `-offset d dx sum_k qx_k`, is added per block like Q4_1's and Q5_1's `m` term.
+//! Q4_K's and Q6_K's 256-value blocks take their groups' scales (per 32 and per 16 values)
+//! in the same way, Q4_K with its `dmin m` term per group, Q6_K with its offset of 32.
 //! The error against the f32 product is the quantization of `x` alone (the weight's values
 //! are exact): at most `sum_k |w_k| dx / 2` per block.
 
@@ -34,6 +36,9 @@ pub(crate) struct QuantizedX {
     halves: Vec<i8>,
     pub(crate) d: Vec<f32>,
     pub(crate) dsum: Vec<f32>,
+    /// Per 4 values, `-32` times the sum of their bytes: Q6_K's offset term, where its
+    /// integer sums start (its scales change every 16 values, finer than `dsum`).
+    offsets: Vec<i32>,
 }
 
 impl QuantizedX {
@@ -50,6 +55,7 @@ impl QuantizedX {
             halves: Vec::new(),
             d: vec![0.0; n],
             dsum: vec![0.0; n],
+            offsets: Vec::new(),
         };
         for (i, (xb, qb)) in x
             .chunks_exact(32)
@@ -60,6 +66,11 @@ impl QuantizedX {
             out.d[i] = d;
             out.dsum[i] = d * sum as f32;
         }
+        out.offsets = out
+            .qs
+            .chunks_exact(4)
+            .map(|q| -32 * q.iter().map(|&v| i32::from(v)).sum::<i32>())
+            .collect();
         out.halves.clone_from(&out.qs);
         for (h, q) in out.halves.chunks_exact_mut(64).zip(out.qs.chunks_exact(64)) {
             for (part, src) in [0, 32, 16, 48].into_iter().enumerate() {
@@ -157,6 +168,18 @@ pub(crate) const TYPES: [QuantType; 5] = [
     QuantType::Q8_0,
 ];
 
+/// The block types the VNNI kernels take: [`TYPES`] and the K-quants of 256-value blocks
+/// that llama.cpp's mixes put beside them (Q4_K_M's down projections).
+pub(crate) const VNNI_TYPES: [QuantType; 7] = [
+    QuantType::Q4_0,
+    QuantType::Q4_1,
+    QuantType::Q5_0,
+    QuantType::Q5_1,
+    QuantType::Q8_0,
+    QuantType::Q4K,
+    QuantType::Q6K,
+];
+
 /// Whether this CPU runs these kernels for `ty`: AVX-512 F, BW, VL and VNNI (the
 /// instruction set not capped below AVX-512).
 pub(crate) fn supports(ty: QuantType) -> bool {
@@ -173,7 +196,7 @@ pub(crate) fn supports(ty: QuantType) -> bool {
                 && is_x86_feature_detected!("f16c")
                 && is_x86_feature_detected!("fma")
         });
-        cpu && matches!(isa(), Isa::Avx512) && TYPES.contains(&ty)
+        cpu && matches!(isa(), Isa::Avx512) && VNNI_TYPES.contains(&ty)
     }
     #[cfg(not(target_arch = "x86_64"))]
     {
@@ -250,19 +273,21 @@ unsafe fn rows_dots_vnni<const R: usize>(
 ) {
     use crate::kernels::decode::quant_gemv::kind::{Q4_0, Q4_1, Q5_0, Q5_1, Q8_0};
     macro_rules! each_row {
-        ($k:ident) => {
+        ($dot:ident $(::<$k:ident>)?) => {
             for (j, row) in rows.chunks_exact(row_bytes).enumerate() {
-                let sums = dot_pairs::<$k, R>(row.as_ptr(), xs);
+                let sums = $dot::<$($k,)? R>(row.as_ptr(), xs);
                 out[j * ldo..j * ldo + R].copy_from_slice(&sums);
             }
         };
     }
     match ty {
-        QuantType::Q8_0 => each_row!(Q8_0),
-        QuantType::Q4_0 => each_row!(Q4_0),
-        QuantType::Q4_1 => each_row!(Q4_1),
-        QuantType::Q5_0 => each_row!(Q5_0),
-        _ => each_row!(Q5_1),
+        QuantType::Q8_0 => each_row!(dot_pairs::<Q8_0>),
+        QuantType::Q4_0 => each_row!(dot_pairs::<Q4_0>),
+        QuantType::Q4_1 => each_row!(dot_pairs::<Q4_1>),
+        QuantType::Q5_0 => each_row!(dot_pairs::<Q5_0>),
+        QuantType::Q4K => each_row!(dot_q4_k),
+        QuantType::Q6K => each_row!(dot_q6_k),
+        _ => each_row!(dot_pairs::<Q5_1>),
     }
 }
 
@@ -381,6 +406,172 @@ unsafe fn dot_pairs<const K: u8, const R: usize>(b0: *const u8, xs: &[QuantizedX
     out
 }
 
+/// One Q4_K row against `x`: per block of 256 values, `{ f16 d; f16 dmin; u8 scales[12];
+/// u8 qs[128] }`, group `g` (32 values, `x`'s block `g`) is `d sc_g q - dmin m_g` over the
+/// low (even `g`) or high (odd) nibbles of `qs[32 (g / 2)..][..32]`. A pair of groups is one
+/// 512-bit `vpdpbusd` against `x`'s bytes in order, its lanes scaled by `d sc_g dx_g`; the
+/// `dmin m_g dsum_g` terms are summed apart, 8 lanes a block.
+///
+/// # Safety
+/// As [`dot_pairs`] (`b0` at `xs[0].d.len() / 8` whole blocks).
+#[cfg(target_arch = "x86_64")]
+#[inline]
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,f16c,fma,avx2")]
+unsafe fn dot_q4_k<const R: usize>(b0: *const u8, xs: &[QuantizedX]) -> [f32; R] {
+    use crate::kernels::decode::quant_gemv_avx2::halves_at;
+    use crate::kernels::quant::blocks::scales_mins_k4;
+    let n = xs[0].d.len() / 8;
+    let (mut acc, mut terms) = ([_mm512_setzero_ps(); R], [_mm256_setzero_ps(); R]);
+    let mask = _mm256_set1_epi8(0x0F);
+    // Lanes 0..8 from group 2p's factor, 8..16 from group 2p + 1's.
+    let spread = |p: i32| {
+        _mm512_setr_epi32(
+            2 * p,
+            2 * p,
+            2 * p,
+            2 * p,
+            2 * p,
+            2 * p,
+            2 * p,
+            2 * p,
+            2 * p + 1,
+            2 * p + 1,
+            2 * p + 1,
+            2 * p + 1,
+            2 * p + 1,
+            2 * p + 1,
+            2 * p + 1,
+            2 * p + 1,
+        )
+    };
+    let spreads = [spread(0), spread(1), spread(2), spread(3)];
+    let eight =
+        |bytes: u64| _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_cvtsi64_si128(bytes as i64)));
+    for blk in 0..n {
+        let b = b0.add(blk * 144);
+        let dm = halves_at(b);
+        let (sc, mins) = scales_mins_k4(&*(b.add(4) as *const [u8; 12]));
+        let dsc = _mm256_mul_ps(_mm256_broadcastss_ps(dm), eight(sc));
+        let dmm = _mm256_mul_ps(_mm256_broadcastss_ps(_mm_movehdup_ps(dm)), eight(mins));
+        // Pair p: the low nibbles (group 2p), then the high ones (2p + 1), in value order.
+        let w: [__m512i; 4] = std::array::from_fn(|p| {
+            let bytes = _mm256_loadu_si256(b.add(16 + 32 * p) as *const __m256i);
+            let lo = _mm256_and_si256(bytes, mask);
+            let hi = _mm256_and_si256(_mm256_srli_epi16::<4>(bytes), mask);
+            _mm512_inserti64x4::<1>(_mm512_castsi256_si512(lo), hi)
+        });
+        for r in 0..R {
+            let x = &xs[r];
+            let f = _mm512_castps256_ps512(_mm256_mul_ps(
+                dsc,
+                _mm256_loadu_ps(x.d.as_ptr().add(8 * blk)),
+            ));
+            let dsum = _mm256_loadu_ps(x.dsum.as_ptr().add(8 * blk));
+            terms[r] = _mm256_fnmadd_ps(dmm, dsum, terms[r]);
+            for (p, (wp, sp)) in w.iter().zip(&spreads).enumerate() {
+                let xq = _mm512_loadu_si512(x.qs.as_ptr().add(256 * blk + 64 * p) as *const _);
+                let sums = _mm512_dpbusd_epi32(_mm512_setzero_si512(), *wp, xq);
+                let scale = _mm512_permutexvar_ps(*sp, f);
+                acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sums), scale, acc[r]);
+            }
+        }
+    }
+    let mut out = [0f32; R];
+    for (r, o) in out.iter_mut().enumerate() {
+        *o = _mm512_reduce_add_ps(acc[r]) + hsum(terms[r]);
+    }
+    out
+}
+
+/// One Q6_K row against `x`: per block of 256 values, `{ u8 ql[128]; u8 qh[64]; i8
+/// scales[16]; f16 d }`, value `128 h + 32 t + l` is `d scales[8 h + 2 t + l / 16] (q - 32)`,
+/// the low four bits of `q` from `ql[64 h + 32 (t % 2) + l] >> 4 (t / 2)`, the high two from
+/// `qh[32 h + l] >> 2 t`. Each 64 values in order are one 512-bit `vpdpbusd` of `q` (0..64)
+/// against `x`'s bytes, started from `x`'s `-32 sum qx` per 4 values (the offset); 4 lanes
+/// a 16-value group, scaled by `d sc_g dx`.
+///
+/// # Safety
+/// As [`dot_pairs`] (`b0` at `xs[0].d.len() / 8` whole blocks).
+#[cfg(target_arch = "x86_64")]
+#[inline]
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,f16c,fma,avx2")]
+unsafe fn dot_q6_k<const R: usize>(b0: *const u8, xs: &[QuantizedX]) -> [f32; R] {
+    use crate::kernels::decode::quant_gemv_avx2::half_before;
+    let n = xs[0].d.len() / 8;
+    let mut acc = [_mm512_setzero_ps(); R];
+    let (fours, twos) = (_mm512_set1_epi8(0x0F), _mm256_set1_epi8(0x03));
+    // Group g's `dx`: `x`'s block g / 2.
+    let halves = _mm512_setr_epi32(0, 0, 1, 1, 2, 2, 3, 3, 4, 4, 5, 5, 6, 6, 7, 7);
+    // Chunk c's lanes: 4 each from groups 4c..4c + 4.
+    let quad = |c: i32| {
+        let g = 4 * c;
+        _mm512_setr_epi32(
+            g,
+            g,
+            g,
+            g,
+            g + 1,
+            g + 1,
+            g + 1,
+            g + 1,
+            g + 2,
+            g + 2,
+            g + 2,
+            g + 2,
+            g + 3,
+            g + 3,
+            g + 3,
+            g + 3,
+        )
+    };
+    let quads = [quad(0), quad(1), quad(2), quad(3)];
+    for blk in 0..n {
+        let b = b0.add(blk * 210);
+        let scales = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(
+            b.add(192) as *const __m128i
+        )));
+        let dl = _mm512_mul_ps(_mm512_set1_ps(half_before(b.add(210))), scales);
+        let mut w = [_mm512_setzero_si512(); 4];
+        for h in 0..2 {
+            let ql = _mm512_loadu_si512(b.add(64 * h) as *const _);
+            let qh = _mm256_loadu_si256(b.add(128 + 32 * h) as *const __m256i);
+            let two = |v: __m256i| _mm256_and_si256(v, twos);
+            let (h0, h1) = (two(qh), two(_mm256_srli_epi16::<2>(qh)));
+            let (h2, h3) = (
+                two(_mm256_srli_epi16::<4>(qh)),
+                two(_mm256_srli_epi16::<6>(qh)),
+            );
+            let join = |a: __m256i, b: __m256i| {
+                _mm512_slli_epi16::<4>(_mm512_inserti64x4::<1>(_mm512_castsi256_si512(a), b))
+            };
+            // Values 128 h .. + 64 (t = 0, 1): the low nibbles; the next 64: the high ones.
+            w[2 * h] = _mm512_or_si512(_mm512_and_si512(ql, fours), join(h0, h1));
+            w[2 * h + 1] = _mm512_or_si512(
+                _mm512_and_si512(_mm512_srli_epi16::<4>(ql), fours),
+                join(h2, h3),
+            );
+        }
+        for r in 0..R {
+            let x = &xs[r];
+            let dx = _mm512_castps256_ps512(_mm256_loadu_ps(x.d.as_ptr().add(8 * blk)));
+            let f = _mm512_mul_ps(dl, _mm512_permutexvar_ps(halves, dx));
+            for (c, (wc, qc)) in w.iter().zip(&quads).enumerate() {
+                let at = 256 * blk + 64 * c;
+                let start = _mm512_loadu_si512(x.offsets.as_ptr().add(at / 4) as *const _);
+                let xq = _mm512_loadu_si512(x.qs.as_ptr().add(at) as *const _);
+                let sums = _mm512_dpbusd_epi32(start, *wc, xq);
+                let scale = _mm512_permutexvar_ps(*qc, f);
+                acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sums), scale, acc[r]);
+            }
+        }
+    }
+    let mut out = [0f32; R];
+    for (r, o) in out.iter_mut().enumerate() {
+        *o = _mm512_reduce_add_ps(acc[r]);
+    }
+    out
+}
+
 /// The little-endian u32 at `p`.
 #[cfg(target_arch = "x86_64")]
 #[inline(always)]
@@ -394,6 +585,16 @@ mod tests {
     use crate::kernels::quant::blocks::{self, tests::ggml};
     use candle_core::quantized::QTensor;
     use candle_core::{Device, Tensor};
+
+    /// Row widths for `ty`: an even number of 32-value blocks and an odd one (its last
+    /// block alone), or two numbers of 256-value blocks for the K-quants.
+    fn widths(ty: QuantType) -> [(QuantType, usize); 2] {
+        if ty.block_values() == 256 {
+            [(ty, 768), (ty, 1536)]
+        } else {
+            [(ty, 576), (ty, 608)]
+        }
+    }
 
     #[test]
     fn x_quantizes_within_half_a_step() {
@@ -457,7 +658,7 @@ mod tests {
     /// quantization.
     #[test]
     fn several_rows_of_x_sum_as_each_alone() -> candle_core::Result<()> {
-        for (ty, cols) in TYPES.into_iter().flat_map(|t| [(t, 576), (t, 608)]) {
+        for (ty, cols) in VNNI_TYPES.into_iter().flat_map(widths) {
             if !supports(ty) {
                 continue;
             }
@@ -510,7 +711,7 @@ mod tests {
         use crate::kernels::decode::quant_gemv_int8_avx2 as avx2;
         let kernels: [(Supports, Dot); 2] = [(supports, row_dot), (avx2::supports, avx2::row_dot)];
         // An even number of blocks a row, and an odd one (its last block alone).
-        let cases = TYPES.into_iter().flat_map(|t| [(t, 576), (t, 608)]);
+        let cases = VNNI_TYPES.into_iter().flat_map(widths);
         for ((ty, cols), (supports, row_dot)) in cases.flat_map(|c| kernels.map(|k| (c, k))) {
             if !supports(ty) {
                 continue;
