@@ -16,9 +16,11 @@ use crate::kernels::decode::quant_gemv_vnni::{QuantizedX, TYPES};
 use crate::kernels::quant::blocks::QuantType;
 
 /// Whether this CPU runs these kernels for `ty`: where it runs the exact AVX2 ones (AVX2,
-/// FMA and F16C, the instruction set not capped below AVX2), for the 32-value types.
+/// FMA and F16C, the instruction set not capped below AVX2), for the 32-value types and
+/// Q4_K and Q6_K.
 pub(crate) fn supports(ty: QuantType) -> bool {
-    crate::kernels::decode::quant_gemv_avx2::supports(ty) && TYPES.contains(&ty)
+    crate::kernels::decode::quant_gemv_avx2::supports(ty)
+        && (TYPES.contains(&ty) || matches!(ty, QuantType::Q4K | QuantType::Q6K))
 }
 
 /// `sum_k W[k] x[k]` for one row of `ty` blocks against `x` quantized; `None` when this CPU
@@ -37,6 +39,8 @@ pub(crate) fn row_dot(ty: QuantType, row: &[u8], x: &QuantizedX) -> Option<f32> 
                 QuantType::Q4_0 => dot::<Q4_0>(row.as_ptr(), x),
                 QuantType::Q4_1 => dot::<Q4_1>(row.as_ptr(), x),
                 QuantType::Q5_0 => dot::<Q5_0>(row.as_ptr(), x),
+                QuantType::Q4K => dot_q4_k(row.as_ptr(), x),
+                QuantType::Q6K => dot_q6_k(row.as_ptr(), x),
                 _ => dot::<Q5_1>(row.as_ptr(), x),
             }
         })
@@ -106,6 +110,97 @@ unsafe fn dot<const K: u8>(b0: *const u8, x: &QuantizedX) -> f32 {
         block::<K>(b0.add(i * size), x, i, &mut even, &mut terms_even);
     }
     hsum(_mm256_add_ps(even, odd)) + (terms_even + terms_odd)
+}
+
+/// One Q4_K row against `x` (the layout in `quant_gemv_vnni`'s kernel): per 32-value group
+/// `g`, its nibbles against `x`'s block `g` in `vpmaddubsw` and `vpmaddwd`, scaled by `d sc_g
+/// dx_g`; the `dmin m_g dsum_g` terms summed apart.
+///
+/// # Safety
+/// AVX2, FMA and F16C; `b0` points at `x.d.len() / 8` whole blocks.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn dot_q4_k(b0: *const u8, x: &QuantizedX) -> f32 {
+    use crate::kernels::decode::quant_gemv_avx2::{halves_at, hsum};
+    use crate::kernels::quant::blocks::scales_mins_k4;
+    let (mut even, mut odd, mut terms) = (_mm256_setzero_ps(), _mm256_setzero_ps(), 0f32);
+    let (mask, ones) = (_mm256_set1_epi8(0x0F), _mm256_set1_epi16(1));
+    for blk in 0..x.d.len() / 8 {
+        let b = b0.add(blk * 144);
+        let dm = halves_at(b);
+        let (d, dmin) = (_mm_cvtss_f32(dm), _mm_cvtss_f32(_mm_movehdup_ps(dm)));
+        let (sc, mins) = scales_mins_k4(&*(b.add(4) as *const [u8; 12]));
+        for p in 0..4 {
+            let bytes = _mm256_loadu_si256(b.add(16 + 32 * p) as *const __m256i);
+            let halves = [
+                _mm256_and_si256(bytes, mask),
+                _mm256_and_si256(_mm256_srli_epi16::<4>(bytes), mask),
+            ];
+            for (h, w) in halves.into_iter().enumerate() {
+                let g = 2 * p + h;
+                let i = 8 * blk + g;
+                let xv = _mm256_loadu_si256(x.qs.as_ptr().add(32 * i) as *const __m256i);
+                let sums = _mm256_madd_epi16(_mm256_maddubs_epi16(w, xv), ones);
+                let f = d * ((sc >> (8 * g)) & 0xFF) as f32 * *x.d.get_unchecked(i);
+                let acc = if h == 0 { &mut even } else { &mut odd };
+                *acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sums), _mm256_set1_ps(f), *acc);
+                terms -= dmin * ((mins >> (8 * g)) & 0xFF) as f32 * *x.dsum.get_unchecked(i);
+            }
+        }
+    }
+    hsum(_mm256_add_ps(even, odd)) + terms
+}
+
+/// One Q6_K row against `x` (the layout in `quant_gemv_vnni`'s kernel): per 32 values, `q`
+/// (0..64) against `x`'s bytes in `vpmaddubsw` and `vpmaddwd`, plus `x`'s `-32 sum qx` per 4
+/// values (the offset), the two 16-value groups' lanes scaled by `d sc_g dx`.
+///
+/// # Safety
+/// AVX2, FMA and F16C; `b0` points at `x.d.len() / 8` whole blocks.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn dot_q6_k(b0: *const u8, x: &QuantizedX) -> f32 {
+    use crate::kernels::decode::quant_gemv_avx2::{half_before, hsum};
+    let (mut even, mut odd) = (_mm256_setzero_ps(), _mm256_setzero_ps());
+    let (fours, twos, ones) = (
+        _mm256_set1_epi8(0x0F),
+        _mm256_set1_epi8(0x03),
+        _mm256_set1_epi16(1),
+    );
+    for blk in 0..x.d.len() / 8 {
+        let b = b0.add(blk * 210);
+        let d = half_before(b.add(210));
+        let sc = b.add(192) as *const i8;
+        for h in 0..2 {
+            let qh = _mm256_loadu_si256(b.add(128 + 32 * h) as *const __m256i);
+            for t in 0..4 {
+                let ql = _mm256_loadu_si256(b.add(64 * h + 32 * (t % 2)) as *const __m256i);
+                let low = if t < 2 {
+                    _mm256_and_si256(ql, fours)
+                } else {
+                    _mm256_and_si256(_mm256_srli_epi16::<4>(ql), fours)
+                };
+                let high =
+                    _mm256_and_si256(_mm256_srl_epi16(qh, _mm_cvtsi32_si128(2 * t as i32)), twos);
+                let w = _mm256_or_si256(low, _mm256_slli_epi16::<4>(high));
+                let at = 256 * blk + 128 * h + 32 * t;
+                let xv = _mm256_loadu_si256(x.qs.as_ptr().add(at) as *const __m256i);
+                let start = _mm256_loadu_si256(x.offsets.as_ptr().add(at / 4) as *const __m256i);
+                let sums =
+                    _mm256_add_epi32(start, _mm256_madd_epi16(_mm256_maddubs_epi16(w, xv), ones));
+                let g = 8 * h + 2 * t;
+                let dx = *x.d.get_unchecked(at / 32);
+                let (fa, fb) = (
+                    d * f32::from(*sc.add(g)) * dx,
+                    d * f32::from(*sc.add(g + 1)) * dx,
+                );
+                let scale = _mm256_setr_m128(_mm_set1_ps(fa), _mm_set1_ps(fb));
+                let acc = if t % 2 == 0 { &mut even } else { &mut odd };
+                *acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sums), scale, *acc);
+            }
+        }
+    }
+    hsum(_mm256_add_ps(even, odd))
 }
 
 /// Block `i` of a row (at `b`) against block `i` of `x`, added to `acc` (8 lanes of

@@ -38,7 +38,7 @@ pub(crate) struct QuantizedX {
     pub(crate) dsum: Vec<f32>,
     /// Per 4 values, `-32` times the sum of their bytes: Q6_K's offset term, where its
     /// integer sums start (its scales change every 16 values, finer than `dsum`).
-    offsets: Vec<i32>,
+    pub(crate) offsets: Vec<i32>,
 }
 
 impl QuantizedX {
