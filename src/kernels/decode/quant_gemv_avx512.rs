@@ -138,7 +138,7 @@ unsafe fn rows_dots_avx512<const R: usize>(
 #[cfg(target_arch = "x86_64")]
 #[inline]
 #[target_feature(enable = "avx512f")]
-unsafe fn write_sums<const R: usize>(
+pub(crate) unsafe fn write_sums<const R: usize>(
     pending: &[[__m512; 16]; R],
     n: usize,
     out: &mut [f32],

@@ -23,7 +23,7 @@
 use std::arch::x86_64::*;
 
 #[cfg(target_arch = "x86_64")]
-use crate::kernels::decode::{quant_gemv_avx2::hsum, quant_gemv_int8_avx2};
+use crate::kernels::decode::quant_gemv_int8_avx2;
 use crate::kernels::quant::blocks::QuantType;
 
 /// `x` in 32-value blocks of signed bytes: `x[32 i + j] ~ qs[32 i + j] * d[i]`, and
@@ -272,13 +272,30 @@ unsafe fn rows_dots_vnni<const R: usize>(
     ldo: usize,
 ) {
     use crate::kernels::decode::quant_gemv::kind::{Q4_0, Q4_1, Q5_0, Q5_1, Q8_0};
+    use crate::kernels::decode::quant_gemv_avx512::write_sums;
+    // The rows' lanes summed 16 rows at a time, as the exact kernels sum theirs.
     macro_rules! each_row {
-        ($dot:ident $(::<$k:ident>)?) => {
+        ($dot:ident $(::<$k:ident>)?) => {{
+            let mut pending = [[_mm512_setzero_ps(); 16]; R];
+            let mut first = 0;
             for (j, row) in rows.chunks_exact(row_bytes).enumerate() {
                 let sums = $dot::<$($k,)? R>(row.as_ptr(), xs);
-                out[j * ldo..j * ldo + R].copy_from_slice(&sums);
+                for (p, s) in pending.iter_mut().zip(sums) {
+                    p[j - first] = s;
+                }
+                if j + 1 - first == 16 {
+                    write_sums(&pending, 16, &mut out[first * ldo..], ldo);
+                    first = j + 1;
+                }
             }
-        };
+            let left = rows.len() / row_bytes - first;
+            if left > 0 {
+                for p in pending.iter_mut() {
+                    p[left..].fill(_mm512_setzero_ps());
+                }
+                write_sums(&pending, left, &mut out[first * ldo..], ldo);
+            }
+        }};
     }
     match ty {
         QuantType::Q8_0 => each_row!(dot_pairs::<Q8_0>),
@@ -305,7 +322,7 @@ unsafe fn rows_dots_vnni<const R: usize>(
 #[cfg(target_arch = "x86_64")]
 #[inline]
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,f16c,fma,avx2")]
-unsafe fn dot_pairs<const K: u8, const R: usize>(b0: *const u8, xs: &[QuantizedX]) -> [f32; R] {
+unsafe fn dot_pairs<const K: u8, const R: usize>(b0: *const u8, xs: &[QuantizedX]) -> [__m512; R] {
     use crate::kernels::decode::quant_gemv::kind::{self, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0};
     let size = kind::quant_type(K).block_bytes();
     let n = xs[0].d.len();
@@ -390,18 +407,17 @@ unsafe fn dot_pairs<const K: u8, const R: usize>(b0: *const u8, xs: &[QuantizedX
             terms[r] = _mm_fmadd_ps(factor, dsum, terms[r]);
         }
     }
-    let mut out = [0f32; R];
+    let mut out = acc;
     for (r, o) in out.iter_mut().enumerate() {
-        let t = terms[r];
-        let mut total =
-            _mm512_reduce_add_ps(acc[r]) + _mm_cvtss_f32(_mm_add_ss(t, _mm_movehdup_ps(t)));
+        // The terms' lanes past the pair's two are zero (their `dsum` lanes are).
+        *o = _mm512_add_ps(*o, _mm512_zextps128_ps512(terms[r]));
         if n % 2 == 1 {
             // The last block alone, as the AVX2 kernel takes it (the same integer sum).
             let (mut v, mut t) = (_mm256_setzero_ps(), 0f32);
             quant_gemv_int8_avx2::block::<K>(b0.add((n - 1) * size), &xs[r], n - 1, &mut v, &mut t);
-            total += hsum(v) + t;
+            let last = _mm256_add_ps(v, _mm256_zextps128_ps256(_mm_set_ss(t)));
+            *o = _mm512_add_ps(*o, _mm512_zextps256_ps512(last));
         }
-        *o = total;
     }
     out
 }
@@ -417,7 +433,7 @@ unsafe fn dot_pairs<const K: u8, const R: usize>(b0: *const u8, xs: &[QuantizedX
 #[cfg(target_arch = "x86_64")]
 #[inline]
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,f16c,fma,avx2")]
-unsafe fn dot_q4_k<const R: usize>(b0: *const u8, xs: &[QuantizedX]) -> [f32; R] {
+unsafe fn dot_q4_k<const R: usize>(b0: *const u8, xs: &[QuantizedX]) -> [__m512; R] {
     use crate::kernels::decode::quant_gemv_avx2::halves_at;
     use crate::kernels::quant::blocks::scales_mins_k4;
     let n = xs[0].d.len() / 8;
@@ -476,9 +492,9 @@ unsafe fn dot_q4_k<const R: usize>(b0: *const u8, xs: &[QuantizedX]) -> [f32; R]
             }
         }
     }
-    let mut out = [0f32; R];
-    for (r, o) in out.iter_mut().enumerate() {
-        *o = _mm512_reduce_add_ps(acc[r]) + hsum(terms[r]);
+    let mut out = acc;
+    for (o, t) in out.iter_mut().zip(terms) {
+        *o = _mm512_add_ps(*o, _mm512_zextps256_ps512(t));
     }
     out
 }
@@ -495,7 +511,7 @@ unsafe fn dot_q4_k<const R: usize>(b0: *const u8, xs: &[QuantizedX]) -> [f32; R]
 #[cfg(target_arch = "x86_64")]
 #[inline]
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,f16c,fma,avx2")]
-unsafe fn dot_q6_k<const R: usize>(b0: *const u8, xs: &[QuantizedX]) -> [f32; R] {
+unsafe fn dot_q6_k<const R: usize>(b0: *const u8, xs: &[QuantizedX]) -> [__m512; R] {
     use crate::kernels::decode::quant_gemv_avx2::half_before;
     let n = xs[0].d.len() / 8;
     let mut acc = [_mm512_setzero_ps(); R];
@@ -565,11 +581,7 @@ unsafe fn dot_q6_k<const R: usize>(b0: *const u8, xs: &[QuantizedX]) -> [f32; R]
             }
         }
     }
-    let mut out = [0f32; R];
-    for (r, o) in out.iter_mut().enumerate() {
-        *o = _mm512_reduce_add_ps(acc[r]);
-    }
-    out
+    acc
 }
 
 /// The little-endian u32 at `p`.
