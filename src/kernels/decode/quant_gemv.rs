@@ -31,7 +31,8 @@ static INT8_ACTIVATIONS: AtomicBool = AtomicBool::new(false);
 /// dot-product instructions, or AVX2's byte multiply-adds. Faster where the unpacking, not
 /// the memory, bounds a product (most of all with AVX2); not exact: the greedy tokens may
 /// leave the f32 model's after a few (see the README). Process-wide; off by default. In
-/// decode steps the K-quants, and CPUs without AVX2, stay exact. Prompts of more than a few
+/// decode steps Q2_K, Q3_K and Q5_K, and CPUs without AVX2, stay exact (Q4_K and Q6_K, the
+/// K-quants of Q4_K_M files, have 8-bit kernels). Prompts of more than a few
 /// rows are 8-bit with AVX-512 VNNI, every integer block type (K-quants too) in one matrix
 /// product (about 2.8x the f32 micro-kernels' rate on AMD Zen 4), and exact elsewhere.
 pub fn set_int8_activations(on: bool) {
