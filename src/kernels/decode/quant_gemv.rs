@@ -106,9 +106,39 @@ pub(crate) fn rows_dots_shape(
     fits.then_some((inp, row_bytes))
 }
 
-/// An 8-bit row kernel's signature: `sum_k W[k] x[k]` for one row of `ty` blocks against
-/// `x` quantized.
-type Int8Dot = fn(QuantType, &[u8], &QuantizedX) -> Option<f32>;
+/// The 8-bit row kernels a type runs on: AVX-512 VNNI (up to 4 rows of `x` per unpacked
+/// pair of blocks) or AVX2 (up to 2 per block).
+#[derive(Clone, Copy)]
+enum Int8Rows {
+    Vnni,
+    Avx2,
+}
+
+impl Int8Rows {
+    /// `ys[nx j + i] = W[j] x_i` for the whole `ty` rows in `rows` and the quantized rows
+    /// `xq` (`nx` of them); `false` when the kernel refuses them.
+    fn run(self, ty: QuantType, rows: &[u8], xq: &[QuantizedX], ys: &mut [f32]) -> bool {
+        let nx = xq.len();
+        let most = match self {
+            Self::Vnni => 4,
+            Self::Avx2 => 2,
+        };
+        in_runs(nx, most, |first, take| {
+            let x = &xq[first..first + take];
+            let Some(y) = ys.get_mut(first..) else {
+                return false;
+            };
+            match (self, take) {
+                (Self::Vnni, 4) => quant_gemv_vnni::rows_dots::<4>(ty, rows, x, y, nx),
+                (Self::Vnni, 3) => quant_gemv_vnni::rows_dots::<3>(ty, rows, x, y, nx),
+                (Self::Vnni, 2) => quant_gemv_vnni::rows_dots::<2>(ty, rows, x, y, nx),
+                (Self::Vnni, _) => quant_gemv_vnni::rows_dots::<1>(ty, rows, x, y, nx),
+                (Self::Avx2, 2) => quant_gemv_int8_avx2::rows_dots::<2>(ty, rows, x, y, nx),
+                (Self::Avx2, _) => quant_gemv_int8_avx2::rows_dots::<1>(ty, rows, x, y, nx),
+            }
+        })
+    }
+}
 
 /// `ys[nx j + i] = W[j] x_i` for the whole `ty` rows `W` in `rows` and the `nx` rows of `xs`
 /// on this CPU's row kernels (AVX-512, else AVX2 + FMA + F16C, both capped by
@@ -371,14 +401,15 @@ fn quantized_for(
     xs.chunks_exact(inp.max(1)).map(QuantizedX::new).collect()
 }
 
-/// The 8-bit row kernel for `ty` where `int8` and this CPU has one: AVX-512 VNNI, else AVX2.
-fn int8_row_kernel(ty: QuantType, int8: bool) -> Option<Int8Dot> {
+/// The 8-bit row kernels for `ty` where `int8` and this CPU has them: AVX-512 VNNI, else
+/// AVX2.
+fn int8_row_kernel(ty: QuantType, int8: bool) -> Option<Int8Rows> {
     if !int8 {
         None
     } else if quant_gemv_vnni::supports(ty) {
-        Some(quant_gemv_vnni::row_dot)
+        Some(Int8Rows::Vnni)
     } else if quant_gemv_int8_avx2::supports(ty) {
-        Some(quant_gemv_int8_avx2::row_dot)
+        Some(Int8Rows::Avx2)
     } else {
         None
     }
@@ -437,7 +468,7 @@ fn rows_of(
     data: &[u8],
     row_bytes: usize,
     x: Rows<'_>,
-    int8: Option<(Int8Dot, &[QuantizedX])>,
+    int8: Option<(Int8Rows, &[QuantizedX])>,
     j0: usize,
     ys: &mut [f32],
 ) -> Result<()> {
@@ -447,35 +478,13 @@ fn rows_of(
     let mine = data
         .get(j0 * row_bytes..(j0 + count) * row_bytes)
         .ok_or_else(|| Error::Kernel(format!("{ty} rows {j0}..{} past the weight", j0 + count)))?;
-    if let Some((int8_dot, xq)) = int8 {
+    if let Some((kernel, xq)) = int8 {
         // 8-bit activations (opted in): each row's integers against each `x_i` quantized,
-        // with VNNI each pair of blocks unpacked once for up to 4 rows of `x`.
-        if quant_gemv_vnni::supports(ty) {
-            let done = in_runs(nx, 4, |first, take| {
-                let x = &xq[first..first + take];
-                let Some(y) = ys.get_mut(first..) else {
-                    return false;
-                };
-                match take {
-                    4 => quant_gemv_vnni::rows_dots::<4>(ty, mine, x, y, nx),
-                    3 => quant_gemv_vnni::rows_dots::<3>(ty, mine, x, y, nx),
-                    2 => quant_gemv_vnni::rows_dots::<2>(ty, mine, x, y, nx),
-                    _ => quant_gemv_vnni::rows_dots::<1>(ty, mine, x, y, nx),
-                }
-            });
-            return if done {
-                Ok(())
-            } else {
-                Err(Error::Kernel(format!(
-                    "{ty}: the 8-bit kernel refused its rows"
-                )))
-            };
-        }
-        for (row, yr) in mine.chunks_exact(row_bytes).zip(ys.chunks_exact_mut(nx)) {
-            for (yv, xq) in yr.iter_mut().zip(xq) {
-                *yv = int8_dot(ty, row, xq)
-                    .ok_or_else(|| Error::Kernel(format!("{ty}: no 8-bit row kernel")))?;
-            }
+        // each block unpacked once for up to 4 (VNNI) or 2 (AVX2) rows of `x`.
+        if !kernel.run(ty, mine, xq, ys) {
+            return Err(Error::Kernel(format!(
+                "{ty}: the 8-bit kernel refused its rows"
+            )));
         }
     } else if !kernel_rows(ty, mine, xs, nx, ys) {
         if quant_gemv_avx512::supports(ty) || quant_gemv_avx2::supports(ty) {

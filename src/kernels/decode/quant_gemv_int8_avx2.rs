@@ -25,29 +25,69 @@ pub(crate) fn supports(ty: QuantType) -> bool {
 
 /// `sum_k W[k] x[k]` for one row of `ty` blocks against `x` quantized; `None` when this CPU
 /// or type has no kernel here, or the sizes do not fit.
+#[cfg(test)]
 pub(crate) fn row_dot(ty: QuantType, row: &[u8], x: &QuantizedX) -> Option<f32> {
-    if !supports(ty) || ty.bytes_of(x.qs.len()) != Some(row.len()) {
-        return None;
+    let mut out = [0f32];
+    rows_dots::<1>(ty, row, std::slice::from_ref(x), &mut out, 1).then_some(out[0])
+}
+
+/// `out[ldo j + r] = sum_k W[j, k] x_r[k]` for each whole row `j` of `rows` and each of the
+/// `R` quantized rows `xs` (all of one length): each block unpacked once for all of them,
+/// each sum the same bits as for that row of `x` alone. `false`, writing nothing, when this
+/// CPU or type has no kernel here or the sizes do not fit.
+pub(crate) fn rows_dots<const R: usize>(
+    ty: QuantType,
+    rows: &[u8],
+    xs: &[QuantizedX],
+    out: &mut [f32],
+    ldo: usize,
+) -> bool {
+    let Some(inp) = xs.first().map(|x| x.qs.len()) else {
+        return false;
+    };
+    let Some(row_bytes) = ty.bytes_of(inp).filter(|&rb| rb > 0) else {
+        return false;
+    };
+    let n = rows.len() / row_bytes;
+    if !supports(ty)
+        || xs.len() != R
+        || xs
+            .iter()
+            .any(|x| x.qs.len() != inp || x.d.len() * 32 != inp)
+        || rows.len() != n * row_bytes
+        || ldo < R
+        || (n > 0 && out.len() < (n - 1) * ldo + R)
+    {
+        return false;
     }
     #[cfg(target_arch = "x86_64")]
     {
         use crate::kernels::decode::quant_gemv::kind::{Q4_0, Q4_1, Q5_0, Q5_1, Q8_0};
-        // SAFETY: the features checked by `supports`; `row` holds `x.d.len()` whole blocks.
-        Some(unsafe {
-            match ty {
-                QuantType::Q8_0 => dot::<Q8_0>(row.as_ptr(), x),
-                QuantType::Q4_0 => dot::<Q4_0>(row.as_ptr(), x),
-                QuantType::Q4_1 => dot::<Q4_1>(row.as_ptr(), x),
-                QuantType::Q5_0 => dot::<Q5_0>(row.as_ptr(), x),
-                QuantType::Q4K => dot_q4_k(row.as_ptr(), x),
-                QuantType::Q6K => dot_q6_k(row.as_ptr(), x),
-                _ => dot::<Q5_1>(row.as_ptr(), x),
-            }
-        })
+        macro_rules! each_row {
+            ($dot:ident $(::<$k:ident>)?) => {
+                for (j, row) in rows.chunks_exact(row_bytes).enumerate() {
+                    // SAFETY: the features checked by `supports`; `row` holds `inp / 32`
+                    // whole blocks (`inp / 256` for the K-quants), each of `xs` `inp` values.
+                    let sums = unsafe { $dot::<$($k,)? R>(row.as_ptr(), xs) };
+                    out[j * ldo..j * ldo + R].copy_from_slice(&sums);
+                }
+            };
+        }
+        match ty {
+            QuantType::Q8_0 => each_row!(dot::<Q8_0>),
+            QuantType::Q4_0 => each_row!(dot::<Q4_0>),
+            QuantType::Q4_1 => each_row!(dot::<Q4_1>),
+            QuantType::Q5_0 => each_row!(dot::<Q5_0>),
+            QuantType::Q4K => each_row!(dot_q4_k),
+            QuantType::Q6K => each_row!(dot_q6_k),
+            _ => each_row!(dot::<Q5_1>),
+        }
+        true
     }
     #[cfg(not(target_arch = "x86_64"))]
     {
-        None
+        let _ = (out, ldo, n);
+        false
     }
 }
 
@@ -85,47 +125,60 @@ pub(crate) unsafe fn fifth_bits(qh: *const u8) -> __m256i {
     _mm256_and_si256(set, _mm256_set1_epi8(0x10))
 }
 
-/// One row of `K` blocks at `b0` against `x`: per block the byte products summed into 8
-/// lanes, scaled by `d dx` into the accumulator of even or odd blocks, and the offset or
-/// `m` term summed apart.
+/// One row of `K` blocks at `b0` against each of the `R` rows of `xs`: per block the byte
+/// products summed into 8 lanes, scaled by `d dx` into the accumulator of even or odd
+/// blocks, and the offset or `m` term summed apart; each block unpacked once for all rows.
 ///
 /// # Safety
-/// AVX2, FMA and F16C; `b0` points at `x.d.len()` whole blocks.
+/// AVX2, FMA and F16C; `b0` points at `xs[0].d.len()` whole blocks, `xs` holds `R` rows of
+/// that many blocks.
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx2,fma,f16c")]
-unsafe fn dot<const K: u8>(b0: *const u8, x: &QuantizedX) -> f32 {
+unsafe fn dot<const K: u8, const R: usize>(b0: *const u8, xs: &[QuantizedX]) -> [f32; R] {
     use crate::kernels::decode::quant_gemv::kind;
     use crate::kernels::decode::quant_gemv_avx2::hsum;
     let size = kind::quant_type(K).block_bytes();
-    let n = x.d.len();
-    let (mut even, mut odd) = (_mm256_setzero_ps(), _mm256_setzero_ps());
-    let (mut terms_even, mut terms_odd) = (0f32, 0f32);
+    let n = xs[0].d.len();
+    let (mut even, mut odd) = ([_mm256_setzero_ps(); R], [_mm256_setzero_ps(); R]);
+    let (mut terms_even, mut terms_odd) = ([0f32; R], [0f32; R]);
+    // Two blocks a step, one into each accumulator (two chains in flight).
     let mut i = 0;
     while i + 2 <= n {
-        block::<K>(b0.add(i * size), x, i, &mut even, &mut terms_even);
-        block::<K>(b0.add((i + 1) * size), x, i + 1, &mut odd, &mut terms_odd);
+        let (wa, wb) = (
+            weights::<K>(b0.add(i * size)),
+            weights::<K>(b0.add((i + 1) * size)),
+        );
+        for r in 0..R {
+            with_x::<K>(wa, &xs[r], i, &mut even[r], &mut terms_even[r]);
+            with_x::<K>(wb, &xs[r], i + 1, &mut odd[r], &mut terms_odd[r]);
+        }
         i += 2;
     }
     if i < n {
-        block::<K>(b0.add(i * size), x, i, &mut even, &mut terms_even);
+        let w = weights::<K>(b0.add(i * size));
+        for r in 0..R {
+            with_x::<K>(w, &xs[r], i, &mut even[r], &mut terms_even[r]);
+        }
     }
-    hsum(_mm256_add_ps(even, odd)) + (terms_even + terms_odd)
+    std::array::from_fn(|r| hsum(_mm256_add_ps(even[r], odd[r])) + (terms_even[r] + terms_odd[r]))
 }
 
-/// One Q4_K row against `x` (the layout in `quant_gemv_vnni`'s kernel): per 32-value group
-/// `g`, its nibbles against `x`'s block `g` in `vpmaddubsw` and `vpmaddwd`, scaled by `d sc_g
-/// dx_g`; the `dmin m_g dsum_g` terms summed apart.
+/// One Q4_K row against each of the `R` rows of `xs` (the layout in `quant_gemv_vnni`'s
+/// kernel): per 32-value group `g`, its nibbles against `x`'s block `g` in `vpmaddubsw` and
+/// `vpmaddwd`, scaled by `d sc_g dx_g`; the `dmin m_g dsum_g` terms summed apart.
 ///
 /// # Safety
-/// AVX2, FMA and F16C; `b0` points at `x.d.len() / 8` whole blocks.
+/// AVX2, FMA and F16C; `b0` points at `xs[0].d.len() / 8` whole blocks, `xs` holds `R` rows
+/// of that many.
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx2,fma,f16c")]
-unsafe fn dot_q4_k(b0: *const u8, x: &QuantizedX) -> f32 {
+unsafe fn dot_q4_k<const R: usize>(b0: *const u8, xs: &[QuantizedX]) -> [f32; R] {
     use crate::kernels::decode::quant_gemv_avx2::{halves_at, hsum};
     use crate::kernels::quant::blocks::scales_mins_k4;
-    let (mut even, mut odd, mut terms) = (_mm256_setzero_ps(), _mm256_setzero_ps(), 0f32);
+    let (mut even, mut odd) = ([_mm256_setzero_ps(); R], [_mm256_setzero_ps(); R]);
+    let mut terms = [0f32; R];
     let (mask, ones) = (_mm256_set1_epi8(0x0F), _mm256_set1_epi16(1));
-    for blk in 0..x.d.len() / 8 {
+    for blk in 0..xs[0].d.len() / 8 {
         let b = b0.add(blk * 144);
         let dm = halves_at(b);
         let (d, dmin) = (_mm_cvtss_f32(dm), _mm_cvtss_f32(_mm_movehdup_ps(dm)));
@@ -139,35 +192,44 @@ unsafe fn dot_q4_k(b0: *const u8, x: &QuantizedX) -> f32 {
             for (h, w) in halves.into_iter().enumerate() {
                 let g = 2 * p + h;
                 let i = 8 * blk + g;
-                let xv = _mm256_loadu_si256(x.qs.as_ptr().add(32 * i) as *const __m256i);
-                let sums = _mm256_madd_epi16(_mm256_maddubs_epi16(w, xv), ones);
-                let f = d * ((sc >> (8 * g)) & 0xFF) as f32 * *x.d.get_unchecked(i);
-                let acc = if h == 0 { &mut even } else { &mut odd };
-                *acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sums), _mm256_set1_ps(f), *acc);
-                terms -= dmin * ((mins >> (8 * g)) & 0xFF) as f32 * *x.dsum.get_unchecked(i);
+                let (dl, ml) = (
+                    d * ((sc >> (8 * g)) & 0xFF) as f32,
+                    dmin * ((mins >> (8 * g)) & 0xFF) as f32,
+                );
+                for r in 0..R {
+                    let x = &xs[r];
+                    let xv = _mm256_loadu_si256(x.qs.as_ptr().add(32 * i) as *const __m256i);
+                    let sums = _mm256_madd_epi16(_mm256_maddubs_epi16(w, xv), ones);
+                    let f = _mm256_set1_ps(dl * *x.d.get_unchecked(i));
+                    let acc = if h == 0 { &mut even[r] } else { &mut odd[r] };
+                    *acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sums), f, *acc);
+                    terms[r] -= ml * *x.dsum.get_unchecked(i);
+                }
             }
         }
     }
-    hsum(_mm256_add_ps(even, odd)) + terms
+    std::array::from_fn(|r| hsum(_mm256_add_ps(even[r], odd[r])) + terms[r])
 }
 
-/// One Q6_K row against `x` (the layout in `quant_gemv_vnni`'s kernel): per 32 values, `q`
-/// (0..64) against `x`'s bytes in `vpmaddubsw` and `vpmaddwd`, plus `x`'s `-32 sum qx` per 4
-/// values (the offset), the two 16-value groups' lanes scaled by `d sc_g dx`.
+/// One Q6_K row against each of the `R` rows of `xs` (the layout in `quant_gemv_vnni`'s
+/// kernel): per 32 values, `q` (0..64) against `x`'s bytes in `vpmaddubsw` and `vpmaddwd`,
+/// plus `x`'s `-32 sum qx` per 4 values (the offset), the two 16-value groups' lanes scaled
+/// by `d sc_g dx`.
 ///
 /// # Safety
-/// AVX2, FMA and F16C; `b0` points at `x.d.len() / 8` whole blocks.
+/// AVX2, FMA and F16C; `b0` points at `xs[0].d.len() / 8` whole blocks, `xs` holds `R` rows
+/// of that many.
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx2,fma,f16c")]
-unsafe fn dot_q6_k(b0: *const u8, x: &QuantizedX) -> f32 {
+unsafe fn dot_q6_k<const R: usize>(b0: *const u8, xs: &[QuantizedX]) -> [f32; R] {
     use crate::kernels::decode::quant_gemv_avx2::{half_before, hsum};
-    let (mut even, mut odd) = (_mm256_setzero_ps(), _mm256_setzero_ps());
+    let (mut even, mut odd) = ([_mm256_setzero_ps(); R], [_mm256_setzero_ps(); R]);
     let (fours, twos, ones) = (
         _mm256_set1_epi8(0x0F),
         _mm256_set1_epi8(0x03),
         _mm256_set1_epi16(1),
     );
-    for blk in 0..x.d.len() / 8 {
+    for blk in 0..xs[0].d.len() / 8 {
         let b = b0.add(blk * 210);
         let d = half_before(b.add(210));
         let sc = b.add(192) as *const i8;
@@ -184,23 +246,30 @@ unsafe fn dot_q6_k(b0: *const u8, x: &QuantizedX) -> f32 {
                     _mm256_and_si256(_mm256_srl_epi16(qh, _mm_cvtsi32_si128(2 * t as i32)), twos);
                 let w = _mm256_or_si256(low, _mm256_slli_epi16::<4>(high));
                 let at = 256 * blk + 128 * h + 32 * t;
-                let xv = _mm256_loadu_si256(x.qs.as_ptr().add(at) as *const __m256i);
-                let start = _mm256_loadu_si256(x.offsets.as_ptr().add(at / 4) as *const __m256i);
-                let sums =
-                    _mm256_add_epi32(start, _mm256_madd_epi16(_mm256_maddubs_epi16(w, xv), ones));
                 let g = 8 * h + 2 * t;
-                let dx = *x.d.get_unchecked(at / 32);
-                let (fa, fb) = (
-                    d * f32::from(*sc.add(g)) * dx,
-                    d * f32::from(*sc.add(g + 1)) * dx,
-                );
-                let scale = _mm256_setr_m128(_mm_set1_ps(fa), _mm_set1_ps(fb));
-                let acc = if t % 2 == 0 { &mut even } else { &mut odd };
-                *acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sums), scale, *acc);
+                let (dla, dlb) = (d * f32::from(*sc.add(g)), d * f32::from(*sc.add(g + 1)));
+                for r in 0..R {
+                    let x = &xs[r];
+                    let xv = _mm256_loadu_si256(x.qs.as_ptr().add(at) as *const __m256i);
+                    let start =
+                        _mm256_loadu_si256(x.offsets.as_ptr().add(at / 4) as *const __m256i);
+                    let sums = _mm256_add_epi32(
+                        start,
+                        _mm256_madd_epi16(_mm256_maddubs_epi16(w, xv), ones),
+                    );
+                    let dx = *x.d.get_unchecked(at / 32);
+                    let scale = _mm256_setr_m128(_mm_set1_ps(dla * dx), _mm_set1_ps(dlb * dx));
+                    let acc = if t % 2 == 0 {
+                        &mut even[r]
+                    } else {
+                        &mut odd[r]
+                    };
+                    *acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sums), scale, *acc);
+                }
             }
         }
     }
-    hsum(_mm256_add_ps(even, odd))
+    std::array::from_fn(|r| hsum(_mm256_add_ps(even[r], odd[r])))
 }
 
 /// Block `i` of a row (at `b`) against block `i` of `x`, added to `acc` (8 lanes of
@@ -217,31 +286,71 @@ pub(crate) unsafe fn block<const K: u8>(
     acc: &mut __m256,
     terms: &mut f32,
 ) {
+    with_x::<K>(weights::<K>(b), x, i, acc, terms);
+}
+
+/// A block's values as bytes, unpacked once for any number of rows of `x`: the integers
+/// (Q8_0's signed ones as they are stored), `d`, and the factor of `dx sum qx` (the offset
+/// or `m` term).
+#[cfg(target_arch = "x86_64")]
+#[derive(Clone, Copy)]
+struct Weights {
+    q: __m256i,
+    d: f32,
+    term: f32,
+}
+
+/// The block at `b` unpacked ([`Weights`]).
+///
+/// # Safety
+/// AVX2, FMA and F16C; `b` points at a whole `K` block.
+#[cfg(target_arch = "x86_64")]
+#[inline(always)]
+unsafe fn weights<const K: u8>(b: *const u8) -> Weights {
     use crate::kernels::decode::quant_gemv::kind::{Q4_0, Q4_1, Q5_0, Q8_0};
     use crate::kernels::decode::quant_gemv_avx2::half_at;
     let d = half_at(b);
-    let xv = _mm256_loadu_si256(x.qs.as_ptr().add(32 * i) as *const __m256i);
-    let (w, xv, term) = match K {
-        Q8_0 => {
-            let w = _mm256_loadu_si256(b.add(2) as *const __m256i);
-            (_mm256_sign_epi8(w, w), _mm256_sign_epi8(xv, w), 0.0)
-        }
-        Q4_0 => (nibbles(b.add(2)), xv, -8.0 * d),
-        Q4_1 => (nibbles(b.add(4)), xv, half_at(b.add(2))),
+    let (q, term) = match K {
+        Q8_0 => (_mm256_loadu_si256(b.add(2) as *const __m256i), 0.0),
+        Q4_0 => (nibbles(b.add(2)), -8.0 * d),
+        Q4_1 => (nibbles(b.add(4)), half_at(b.add(2))),
         Q5_0 => (
             _mm256_or_si256(nibbles(b.add(6)), fifth_bits(b.add(2))),
-            xv,
             -16.0 * d,
         ),
         _ => (
             _mm256_or_si256(nibbles(b.add(8)), fifth_bits(b.add(4))),
-            xv,
             half_at(b.add(2)),
         ),
     };
-    let pairs = _mm256_maddubs_epi16(w, xv);
+    Weights { q, d, term }
+}
+
+/// Unpacked block `w` (block `i` of its row) against block `i` of `x`, added to `acc` and
+/// `terms` as [`block`] adds them. Q8_0's signed weights go in as their magnitudes, their
+/// signs moved onto `x`.
+///
+/// # Safety
+/// AVX2, FMA and F16C; `i` below `x.d.len()`.
+#[cfg(target_arch = "x86_64")]
+#[inline(always)]
+unsafe fn with_x<const K: u8>(
+    w: Weights,
+    x: &QuantizedX,
+    i: usize,
+    acc: &mut __m256,
+    terms: &mut f32,
+) {
+    use crate::kernels::decode::quant_gemv::kind::Q8_0;
+    let xv = _mm256_loadu_si256(x.qs.as_ptr().add(32 * i) as *const __m256i);
+    let (q, xv) = if K == Q8_0 {
+        (_mm256_sign_epi8(w.q, w.q), _mm256_sign_epi8(xv, w.q))
+    } else {
+        (w.q, xv)
+    };
+    let pairs = _mm256_maddubs_epi16(q, xv);
     let sums = _mm256_madd_epi16(pairs, _mm256_set1_epi16(1));
-    let scale = _mm256_set1_ps(d * *x.d.get_unchecked(i));
+    let scale = _mm256_set1_ps(w.d * *x.d.get_unchecked(i));
     *acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sums), scale, *acc);
-    *terms += term * *x.dsum.get_unchecked(i);
+    *terms += w.term * *x.dsum.get_unchecked(i);
 }

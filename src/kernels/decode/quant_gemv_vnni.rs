@@ -207,6 +207,7 @@ pub(crate) fn supports(ty: QuantType) -> bool {
 
 /// `sum_k W[k] x[k]` for one row of `ty` blocks against `x` quantized; `None` when this CPU
 /// or type has no kernel here, or the sizes do not fit.
+#[cfg(test)]
 pub(crate) fn row_dot(ty: QuantType, row: &[u8], x: &QuantizedX) -> Option<f32> {
     let mut out = [0f32];
     rows_dots::<1>(ty, row, std::slice::from_ref(x), &mut out, 1).then_some(out[0])
@@ -670,7 +671,25 @@ mod tests {
     /// quantization.
     #[test]
     fn several_rows_of_x_sum_as_each_alone() -> candle_core::Result<()> {
-        for (ty, cols) in VNNI_TYPES.into_iter().flat_map(widths) {
+        use crate::kernels::decode::quant_gemv_int8_avx2 as avx2;
+        type Supports = fn(QuantType) -> bool;
+        type Dot = fn(QuantType, &[u8], &QuantizedX) -> Option<f32>;
+        type Rows = fn(QuantType, &[u8], &[QuantizedX], &mut [f32], usize) -> bool;
+        // Per kernel: its rows_dots for 1..=4 rows of `x` (AVX2 takes up to 2).
+        let vnni: [Rows; 4] = [
+            rows_dots::<1>,
+            rows_dots::<2>,
+            rows_dots::<3>,
+            rows_dots::<4>,
+        ];
+        let avx2: [Rows; 2] = [avx2::rows_dots::<1>, avx2::rows_dots::<2>];
+        let kernels: [(Supports, Dot, &[Rows]); 2] = [
+            (supports, row_dot, &vnni),
+            (avx2::supports, avx2::row_dot, &avx2),
+        ];
+        let cases = VNNI_TYPES.into_iter().flat_map(widths);
+        for ((ty, cols), (supports, row_dot, multi)) in cases.flat_map(|c| kernels.map(|k| (c, k)))
+        {
             if !supports(ty) {
                 continue;
             }
@@ -684,15 +703,13 @@ mod tests {
                 .collect::<Option<_>>()
                 .expect("whole blocks");
             let ldo = 6;
-            for nx in 1..=4 {
+            for (k, dots) in multi.iter().enumerate() {
+                let nx = k + 1;
                 let mut out = vec![f32::NAN; rows * ldo];
-                let done = match nx {
-                    1 => rows_dots::<1>(ty, &bytes, &xs[..1], &mut out, ldo),
-                    2 => rows_dots::<2>(ty, &bytes, &xs[..2], &mut out, ldo),
-                    3 => rows_dots::<3>(ty, &bytes, &xs[..3], &mut out, ldo),
-                    _ => rows_dots::<4>(ty, &bytes, &xs, &mut out, ldo),
-                };
-                assert!(done, "{ty} {cols}: {nx} rows");
+                assert!(
+                    dots(ty, &bytes, &xs[..nx], &mut out, ldo),
+                    "{ty} {cols}: {nx} rows"
+                );
                 for r in 0..rows {
                     let row = &bytes[r * row_bytes..(r + 1) * row_bytes];
                     for (i, x) in xs[..nx].iter().enumerate() {
@@ -710,8 +727,8 @@ mod tests {
             let short =
                 QuantizedX::new(&crate::kernels::test_values(cols - 32, 1)).expect("blocks");
             let mixed = [xs[0].clone(), short];
-            assert!(!rows_dots::<2>(ty, &bytes, &mixed, &mut [0f32; 64], 2));
-            assert!(!rows_dots::<1>(ty, &bytes, &xs[..1], &mut [0f32; 3], 1));
+            assert!(!multi[1](ty, &bytes, &mixed, &mut [0f32; 64], 2));
+            assert!(!multi[0](ty, &bytes, &xs[..1], &mut [0f32; 3], 1));
         }
         Ok(())
     }
