@@ -789,7 +789,7 @@ mod tests {
     /// rows split over tasks as the exact path splits them; the bias added.
     #[test]
     fn int8_products_stay_within_the_quantization_of_x() -> candle_core::Result<()> {
-        for ty in quant_gemv_vnni::VNNI_TYPES {
+        for ty in ROW_KERNEL_TYPES {
             let (out, inp) = (301usize, if ty.block_values() == 256 { 768 } else { 576 });
             let w = crate::kernels::test_values(out * inp, 5);
             let q = QTensor::quantize(&Tensor::from_vec(w, (out, inp), &Device::Cpu)?, ggml(ty))?;

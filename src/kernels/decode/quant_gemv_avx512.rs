@@ -101,26 +101,15 @@ unsafe fn rows_dots_avx512<const R: usize>(
     // 16 at a time (one transposing tree instead of a horizontal sum per row).
     macro_rules! each_row {
         ($row:ident => $dot:expr) => {{
-            let mut pending = [[_mm512_setzero_ps(); 16]; R];
-            let mut first = 0;
-            for (j, $row) in rows.chunks_exact(row_bytes).enumerate() {
+            let mut sums = RowSums::<R>::new(out, ldo);
+            for $row in rows.chunks_exact(row_bytes) {
                 let acc = $dot;
-                for (r, a) in acc.iter().enumerate() {
-                    pending[r][j - first] =
-                        _mm512_add_ps(_mm512_add_ps(a[0], a[1]), _mm512_add_ps(a[2], a[3]));
-                }
-                if j + 1 - first == 16 {
-                    write_sums(&pending, 16, &mut out[first * ldo..], ldo);
-                    first = j + 1;
-                }
+                sums.push(std::array::from_fn(|r| {
+                    let a = &acc[r];
+                    _mm512_add_ps(_mm512_add_ps(a[0], a[1]), _mm512_add_ps(a[2], a[3]))
+                }));
             }
-            let left = rows.len() / row_bytes - first;
-            if left > 0 {
-                for p in pending.iter_mut() {
-                    p[left..].fill(_mm512_setzero_ps());
-                }
-                write_sums(&pending, left, &mut out[first * ldo..], ldo);
-            }
+            sums.finish();
         }};
     }
     match ty {
@@ -134,22 +123,70 @@ unsafe fn rows_dots_avx512<const R: usize>(
     }
 }
 
-/// `out[ldo i + r]` = the sum of `pending[r][i]`'s lanes for `i < n`.
+/// Weight rows' sum vectors (one per row of `x`) gathered 16 rows at a time and written out
+/// reduced: `out[ldo j + r]` = the sum of row `j`'s vector `r`'s lanes.
 #[cfg(target_arch = "x86_64")]
-#[inline]
-#[target_feature(enable = "avx512f")]
-pub(crate) unsafe fn write_sums<const R: usize>(
-    pending: &[[__m512; 16]; R],
-    n: usize,
-    out: &mut [f32],
+pub(crate) struct RowSums<'a, const R: usize> {
+    pending: [[__m512; 16]; R],
+    filled: usize,
+    out: &'a mut [f32],
     ldo: usize,
-) {
-    for (r, p) in pending.iter().enumerate() {
-        let mut sums = [0f32; 16];
-        _mm512_storeu_ps(sums.as_mut_ptr(), sum16(p));
-        for (i, &s) in sums.iter().take(n).enumerate() {
-            out[i * ldo + r] = s;
+}
+
+#[cfg(target_arch = "x86_64")]
+impl<'a, const R: usize> RowSums<'a, R> {
+    /// Sums for rows `0..` of `out` (row stride `ldo`).
+    #[inline]
+    #[target_feature(enable = "avx512f")]
+    pub(crate) fn new(out: &'a mut [f32], ldo: usize) -> Self {
+        Self {
+            pending: [[_mm512_setzero_ps(); 16]; R],
+            filled: 0,
+            out,
+            ldo,
         }
+    }
+
+    /// The next row's vectors.
+    #[inline]
+    #[target_feature(enable = "avx512f")]
+    pub(crate) fn push(&mut self, sums: [__m512; R]) {
+        for (p, s) in self.pending.iter_mut().zip(sums) {
+            p[self.filled] = s;
+        }
+        self.filled += 1;
+        if self.filled == 16 {
+            self.write();
+        }
+    }
+
+    /// Writes the rows still gathered.
+    #[inline]
+    #[target_feature(enable = "avx512f")]
+    pub(crate) fn finish(mut self) {
+        if self.filled > 0 {
+            for p in self.pending.iter_mut() {
+                p[self.filled..].fill(_mm512_setzero_ps());
+            }
+            self.write();
+        }
+    }
+
+    #[inline]
+    #[target_feature(enable = "avx512f")]
+    fn write(&mut self) {
+        let (n, ldo) = (self.filled, self.ldo);
+        for (r, p) in self.pending.iter().enumerate() {
+            let mut sums = [0f32; 16];
+            // SAFETY: 16 floats to a local array.
+            unsafe { _mm512_storeu_ps(sums.as_mut_ptr(), sum16(p)) };
+            for (i, &s) in sums.iter().take(n).enumerate() {
+                self.out[i * ldo + r] = s;
+            }
+        }
+        let next = (n * ldo).min(self.out.len());
+        self.out = &mut std::mem::take(&mut self.out)[next..];
+        self.filled = 0;
     }
 }
 

@@ -12,15 +12,14 @@
 #[cfg(target_arch = "x86_64")]
 use std::arch::x86_64::*;
 
-use crate::kernels::decode::quant_gemv_vnni::{QuantizedX, TYPES};
+use crate::kernels::decode::quant_gemv_vnni::{rows_dots_shape, QuantizedX};
 use crate::kernels::quant::blocks::QuantType;
 
 /// Whether this CPU runs these kernels for `ty`: where it runs the exact AVX2 ones (AVX2,
-/// FMA and F16C, the instruction set not capped below AVX2), for the 32-value types and
-/// Q4_K and Q6_K.
+/// FMA and F16C, the instruction set not capped below AVX2; the 32-value types, Q4_K and
+/// Q6_K).
 pub(crate) fn supports(ty: QuantType) -> bool {
     crate::kernels::decode::quant_gemv_avx2::supports(ty)
-        && (TYPES.contains(&ty) || matches!(ty, QuantType::Q4K | QuantType::Q6K))
 }
 
 /// `sum_k W[k] x[k]` for one row of `ty` blocks against `x` quantized; `None` when this CPU
@@ -42,24 +41,10 @@ pub(crate) fn rows_dots<const R: usize>(
     out: &mut [f32],
     ldo: usize,
 ) -> bool {
-    let Some(inp) = xs.first().map(|x| x.qs.len()) else {
+    let Some(row_bytes) = rows_dots_shape(ty, rows, xs, R, out, ldo).filter(|_| supports(ty))
+    else {
         return false;
     };
-    let Some(row_bytes) = ty.bytes_of(inp).filter(|&rb| rb > 0) else {
-        return false;
-    };
-    let n = rows.len() / row_bytes;
-    if !supports(ty)
-        || xs.len() != R
-        || xs
-            .iter()
-            .any(|x| x.qs.len() != inp || x.d.len() * 32 != inp)
-        || rows.len() != n * row_bytes
-        || ldo < R
-        || (n > 0 && out.len() < (n - 1) * ldo + R)
-    {
-        return false;
-    }
     #[cfg(target_arch = "x86_64")]
     {
         use crate::kernels::decode::quant_gemv::kind::{Q4_0, Q4_1, Q5_0, Q5_1, Q8_0};
@@ -86,7 +71,7 @@ pub(crate) fn rows_dots<const R: usize>(
     }
     #[cfg(not(target_arch = "x86_64"))]
     {
-        let _ = (out, ldo, n);
+        let _ = (out, ldo, row_bytes);
         false
     }
 }

@@ -22,6 +22,7 @@
 #[cfg(target_arch = "x86_64")]
 use std::arch::x86_64::*;
 
+use crate::kernels::decode::quant_gemv::ROW_KERNEL_TYPES;
 #[cfg(target_arch = "x86_64")]
 use crate::kernels::decode::quant_gemv_int8_avx2;
 use crate::kernels::quant::blocks::QuantType;
@@ -159,29 +160,9 @@ unsafe fn quantize_block_avx2(x: *const f32, q: *mut i8) -> (f32, i32) {
     )
 }
 
-/// The block types these kernels take.
-pub(crate) const TYPES: [QuantType; 5] = [
-    QuantType::Q4_0,
-    QuantType::Q4_1,
-    QuantType::Q5_0,
-    QuantType::Q5_1,
-    QuantType::Q8_0,
-];
-
-/// The block types the VNNI kernels take: [`TYPES`] and the K-quants of 256-value blocks
-/// that llama.cpp's mixes put beside them (Q4_K_M's down projections).
-pub(crate) const VNNI_TYPES: [QuantType; 7] = [
-    QuantType::Q4_0,
-    QuantType::Q4_1,
-    QuantType::Q5_0,
-    QuantType::Q5_1,
-    QuantType::Q8_0,
-    QuantType::Q4K,
-    QuantType::Q6K,
-];
-
 /// Whether this CPU runs these kernels for `ty`: AVX-512 F, BW, VL and VNNI (the
-/// instruction set not capped below AVX-512).
+/// instruction set not capped below AVX-512), for the types the exact row kernels take
+/// (the 32-value types, Q4_K and Q6_K).
 pub(crate) fn supports(ty: QuantType) -> bool {
     #[cfg(target_arch = "x86_64")]
     {
@@ -196,7 +177,7 @@ pub(crate) fn supports(ty: QuantType) -> bool {
                 && is_x86_feature_detected!("f16c")
                 && is_x86_feature_detected!("fma")
         });
-        cpu && matches!(isa(), Isa::Avx512) && VNNI_TYPES.contains(&ty)
+        cpu && matches!(isa(), Isa::Avx512) && ROW_KERNEL_TYPES.contains(&ty)
     }
     #[cfg(not(target_arch = "x86_64"))]
     {
@@ -213,6 +194,30 @@ pub(crate) fn row_dot(ty: QuantType, row: &[u8], x: &QuantizedX) -> Option<f32> 
     rows_dots::<1>(ty, row, std::slice::from_ref(x), &mut out, 1).then_some(out[0])
 }
 
+/// A row's bytes when `rows` (whole rows of `ty`), the `r` quantized rows `xs` (one
+/// length, whole blocks) and `out` (row stride `ldo`, `r` values a weight row) fit together
+/// for an 8-bit `rows_dots`; `None` otherwise.
+pub(crate) fn rows_dots_shape(
+    ty: QuantType,
+    rows: &[u8],
+    xs: &[QuantizedX],
+    r: usize,
+    out: &[f32],
+    ldo: usize,
+) -> Option<usize> {
+    let inp = xs.first()?.qs.len();
+    let row_bytes = ty.bytes_of(inp).filter(|&rb| rb > 0)?;
+    let n = rows.len() / row_bytes;
+    let fits = xs.len() == r
+        && xs
+            .iter()
+            .all(|x| x.qs.len() == inp && x.d.len() * 32 == inp)
+        && rows.len() == n * row_bytes
+        && ldo >= r
+        && (n == 0 || out.len() >= (n - 1) * ldo + r);
+    fits.then_some(row_bytes)
+}
+
 /// `out[ldo j + r] = sum_k W[j, k] x_r[k]` for each whole row `j` of `rows` and each of the
 /// `R` quantized rows `xs` (all of one length): each pair of blocks unpacked once for all of
 /// them, each sum the same bits as [`row_dot`] gives that row alone. `false`, writing
@@ -224,24 +229,10 @@ pub(crate) fn rows_dots<const R: usize>(
     out: &mut [f32],
     ldo: usize,
 ) -> bool {
-    let Some(inp) = xs.first().map(|x| x.qs.len()) else {
+    let Some(row_bytes) = rows_dots_shape(ty, rows, xs, R, out, ldo).filter(|_| supports(ty))
+    else {
         return false;
     };
-    let Some(row_bytes) = ty.bytes_of(inp).filter(|&rb| rb > 0) else {
-        return false;
-    };
-    let n = rows.len() / row_bytes;
-    if !supports(ty)
-        || xs.len() != R
-        || xs
-            .iter()
-            .any(|x| x.qs.len() != inp || x.d.len() * 32 != inp)
-        || rows.len() != n * row_bytes
-        || ldo < R
-        || (n > 0 && out.len() < (n - 1) * ldo + R)
-    {
-        return false;
-    }
     #[cfg(target_arch = "x86_64")]
     {
         // SAFETY: the features checked by `supports`; `rows` holds `n` rows of
@@ -273,29 +264,15 @@ unsafe fn rows_dots_vnni<const R: usize>(
     ldo: usize,
 ) {
     use crate::kernels::decode::quant_gemv::kind::{Q4_0, Q4_1, Q5_0, Q5_1, Q8_0};
-    use crate::kernels::decode::quant_gemv_avx512::write_sums;
+    use crate::kernels::decode::quant_gemv_avx512::RowSums;
     // The rows' lanes summed 16 rows at a time, as the exact kernels sum theirs.
     macro_rules! each_row {
         ($dot:ident $(::<$k:ident>)?) => {{
-            let mut pending = [[_mm512_setzero_ps(); 16]; R];
-            let mut first = 0;
-            for (j, row) in rows.chunks_exact(row_bytes).enumerate() {
-                let sums = $dot::<$($k,)? R>(row.as_ptr(), xs);
-                for (p, s) in pending.iter_mut().zip(sums) {
-                    p[j - first] = s;
-                }
-                if j + 1 - first == 16 {
-                    write_sums(&pending, 16, &mut out[first * ldo..], ldo);
-                    first = j + 1;
-                }
+            let mut sums = RowSums::<R>::new(out, ldo);
+            for row in rows.chunks_exact(row_bytes) {
+                sums.push($dot::<$($k,)? R>(row.as_ptr(), xs));
             }
-            let left = rows.len() / row_bytes - first;
-            if left > 0 {
-                for p in pending.iter_mut() {
-                    p[left..].fill(_mm512_setzero_ps());
-                }
-                write_sums(&pending, left, &mut out[first * ldo..], ldo);
-            }
+            sums.finish();
         }};
     }
     match ty {
@@ -687,7 +664,7 @@ mod tests {
             (supports, row_dot, &vnni),
             (avx2::supports, avx2::row_dot, &avx2),
         ];
-        let cases = VNNI_TYPES.into_iter().flat_map(widths);
+        let cases = ROW_KERNEL_TYPES.into_iter().flat_map(widths);
         for ((ty, cols), (supports, row_dot, multi)) in cases.flat_map(|c| kernels.map(|k| (c, k)))
         {
             if !supports(ty) {
@@ -740,7 +717,7 @@ mod tests {
         use crate::kernels::decode::quant_gemv_int8_avx2 as avx2;
         let kernels: [(Supports, Dot); 2] = [(supports, row_dot), (avx2::supports, avx2::row_dot)];
         // An even number of blocks a row, and an odd one (its last block alone).
-        let cases = VNNI_TYPES.into_iter().flat_map(widths);
+        let cases = ROW_KERNEL_TYPES.into_iter().flat_map(widths);
         for ((ty, cols), (supports, row_dot)) in cases.flat_map(|c| kernels.map(|k| (c, k))) {
             if !supports(ty) {
                 continue;
