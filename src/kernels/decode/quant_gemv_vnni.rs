@@ -212,7 +212,7 @@ pub(crate) fn rows_dots_shape(
     let fits = xs.len() == r
         && xs
             .iter()
-            .all(|x| x.qs.len() == inp && x.d.len() * 32 == inp)
+            .all(|x| x.qs.len() == inp && x.d.len() * 32 == inp && x.offsets.len() * 4 == inp)
         && rows.len() == n * row_bytes
         && ldo >= r
         && (n == 0 || out.len() >= (n - 1) * ldo + r);
@@ -236,9 +236,9 @@ pub(crate) fn rows_dots<const R: usize>(
     };
     #[cfg(target_arch = "x86_64")]
     {
-        // SAFETY: the features checked by `supports`; `rows` holds `n` rows of
-        // `inp / 32` whole blocks, each of `xs` `inp` values, `out` `(n - 1) ldo + R`
-        // floats.
+        // SAFETY: the features checked by `supports`; `rows` holds whole rows of `inp / 32`
+        // blocks (`inp / 256` for the K-quants), each of `xs` `inp` values with their
+        // scales, sums and offsets (checked by `rows_dots_shape`), `out` room for them.
         unsafe { rows_dots_vnni::<R>(ty, rows, row_bytes, xs, out, ldo) };
         true
     }
