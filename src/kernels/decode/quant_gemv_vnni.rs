@@ -322,9 +322,9 @@ unsafe fn dot_pairs<const K: u8, const R: usize>(b0: *const u8, xs: &[QuantizedX
         };
     }
     let half = |p: *const u8| u32::from(u16::from_le_bytes([*p, *p.add(1)]));
-    for p in 0..n / 2 {
-        let (a, b) = (b0.add(2 * p * size), b0.add((2 * p + 1) * size));
-        let w = if K == Q8_0 {
+    // The pair of blocks at `a` and `b` as 64 unsigned bytes, in the lanes `xq` expects.
+    let pair = |a: *const u8, b: *const u8| -> __m512i {
+        if K == Q8_0 {
             let lo = _mm512_castsi256_si512(_mm256_loadu_si256(a.add(2) as *const __m256i));
             let both = _mm512_inserti64x4::<1>(lo, _mm256_loadu_si256(b.add(2) as *const __m256i));
             _mm512_xor_si512(both, _mm512_set1_epi8(-128))
@@ -354,7 +354,55 @@ unsafe fn dot_pairs<const K: u8, const R: usize>(b0: *const u8, xs: &[QuantizedX
             } else {
                 w
             }
+        }
+    };
+    // Four pairs a step: the 8 blocks' scales (and offsets or `m`) converted and multiplied
+    // as one vector each.
+    let spreads: [__m512i; 4] =
+        std::array::from_fn(|q| _mm512_add_epi32(spread, _mm512_set1_epi32(2 * q as i32)));
+    let mut terms8 = [_mm256_setzero_ps(); R];
+    let mut p = 0;
+    while 2 * p + 8 <= n {
+        let blk = |k: usize| b0.add((2 * p + k) * size);
+        let eight = |at: usize| {
+            let h = |k: usize| i16::from_le_bytes([*blk(k).add(at), *blk(k).add(at + 1)]);
+            _mm256_cvtph_ps(_mm_setr_epi16(
+                h(0),
+                h(1),
+                h(2),
+                h(3),
+                h(4),
+                h(5),
+                h(6),
+                h(7),
+            ))
         };
+        let d8 = eight(0);
+        let factor8 = match K {
+            Q4_0 => _mm256_mul_ps(d8, _mm256_set1_ps(-8.0)),
+            Q5_0 => _mm256_mul_ps(d8, _mm256_set1_ps(-16.0)),
+            Q8_0 => _mm256_mul_ps(d8, _mm256_set1_ps(-128.0)),
+            _ => eight(2),
+        };
+        let w: [__m512i; 4] = std::array::from_fn(|q| pair(blk(2 * q), blk(2 * q + 1)));
+        for r in 0..R {
+            let x = &xs[r];
+            let s8 = _mm256_mul_ps(d8, _mm256_loadu_ps(x.d.as_ptr().add(2 * p)));
+            let s8 = _mm512_castps256_ps512(s8);
+            for (q, (wq, sq)) in w.iter().zip(&spreads).enumerate() {
+                let xv = _mm512_loadu_si512(xq[r].add(64 * (p + q)) as *const _);
+                let sums = _mm512_dpbusd_epi32(_mm512_setzero_si512(), *wq, xv);
+                let scale = _mm512_permutexvar_ps(*sq, s8);
+                acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sums), scale, acc[r]);
+            }
+            let dsum = _mm256_loadu_ps(x.dsum.as_ptr().add(2 * p));
+            terms8[r] = _mm256_fmadd_ps(factor8, dsum, terms8[r]);
+        }
+        p += 4;
+    }
+    for p in p..n / 2 {
+        let (a, b) = (b0.add(2 * p * size), b0.add((2 * p + 1) * size));
+        let w = pair(a, b);
         // (d_a, d_b) and, for Q4_1 and Q5_1, (m_a, m_b) as f32 lanes 0 and 1.
         let (d, m) = if K == Q4_1 || K == Q5_1 {
             let dm = _mm_cvtph_ps(_mm_set_epi32(0, 0, read_u32(b) as i32, read_u32(a) as i32));
@@ -390,6 +438,7 @@ unsafe fn dot_pairs<const K: u8, const R: usize>(b0: *const u8, xs: &[QuantizedX
     for (r, o) in out.iter_mut().enumerate() {
         // The terms' lanes past the pair's two are zero (their `dsum` lanes are).
         *o = _mm512_add_ps(*o, _mm512_zextps128_ps512(terms[r]));
+        *o = _mm512_add_ps(*o, _mm512_zextps256_ps512(terms8[r]));
         if n % 2 == 1 {
             // The last block alone, as the AVX2 kernel takes it (the same integer sum).
             let (mut v, mut t) = (_mm256_setzero_ps(), 0f32);
