@@ -120,14 +120,68 @@ pub(crate) unsafe fn fifth_bits(qh: *const u8) -> __m256i {
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx2,fma,f16c")]
 unsafe fn dot<const K: u8, const R: usize>(b0: *const u8, xs: &[QuantizedX]) -> [f32; R] {
-    use crate::kernels::decode::quant_gemv::kind;
+    use crate::kernels::decode::quant_gemv::kind::{self, Q4_0, Q5_0, Q8_0};
     use crate::kernels::decode::quant_gemv_avx2::hsum;
     let size = kind::quant_type(K).block_bytes();
     let n = xs[0].d.len();
     let (mut even, mut odd) = ([_mm256_setzero_ps(); R], [_mm256_setzero_ps(); R]);
     let (mut terms_even, mut terms_odd) = ([0f32; R], [0f32; R]);
-    // Two blocks a step, one into each accumulator (two chains in flight).
+    let mut terms8 = [_mm256_setzero_ps(); R];
+    let ones = _mm256_set1_epi16(1);
+    // Eight blocks a step: their scales converted and multiplied by `x`'s as one vector, the
+    // offset or `m` terms added 8 lanes at once; even and odd blocks into two accumulators.
     let mut i = 0;
+    while i + 8 <= n {
+        let blk = |k: usize| b0.add((i + k) * size);
+        let eight = |at: usize| {
+            let h = |k: usize| i16::from_le_bytes([*blk(k).add(at), *blk(k).add(at + 1)]);
+            _mm256_cvtph_ps(_mm_setr_epi16(
+                h(0),
+                h(1),
+                h(2),
+                h(3),
+                h(4),
+                h(5),
+                h(6),
+                h(7),
+            ))
+        };
+        let d8 = eight(0);
+        let factor8 = match K {
+            Q4_0 => _mm256_mul_ps(d8, _mm256_set1_ps(-8.0)),
+            Q5_0 => _mm256_mul_ps(d8, _mm256_set1_ps(-16.0)),
+            Q8_0 => _mm256_setzero_ps(),
+            _ => eight(2),
+        };
+        let s8: [__m256; R] =
+            std::array::from_fn(|r| _mm256_mul_ps(d8, _mm256_loadu_ps(xs[r].d.as_ptr().add(i))));
+        for k in 0..8 {
+            let w = weights::<K>(blk(k));
+            let lane = _mm256_set1_epi32(k as i32);
+            for r in 0..R {
+                let xv = _mm256_loadu_si256(xs[r].qs.as_ptr().add(32 * (i + k)) as *const __m256i);
+                let (q, xv) = if K == Q8_0 {
+                    (_mm256_sign_epi8(w.q, w.q), _mm256_sign_epi8(xv, w.q))
+                } else {
+                    (w.q, xv)
+                };
+                let sums = _mm256_madd_epi16(_mm256_maddubs_epi16(q, xv), ones);
+                let scale = _mm256_permutevar8x32_ps(s8[r], lane);
+                let acc = if k % 2 == 0 {
+                    &mut even[r]
+                } else {
+                    &mut odd[r]
+                };
+                *acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sums), scale, *acc);
+            }
+        }
+        for r in 0..R {
+            let dsum = _mm256_loadu_ps(xs[r].dsum.as_ptr().add(i));
+            terms8[r] = _mm256_fmadd_ps(factor8, dsum, terms8[r]);
+        }
+        i += 8;
+    }
+    // Two blocks a step, one into each accumulator (two chains in flight).
     while i + 2 <= n {
         let (wa, wb) = (
             weights::<K>(b0.add(i * size)),
@@ -145,7 +199,9 @@ unsafe fn dot<const K: u8, const R: usize>(b0: *const u8, xs: &[QuantizedX]) -> 
             with_x::<K>(w, &xs[r], i, &mut even[r], &mut terms_even[r]);
         }
     }
-    std::array::from_fn(|r| hsum(_mm256_add_ps(even[r], odd[r])) + (terms_even[r] + terms_odd[r]))
+    std::array::from_fn(|r| {
+        hsum(_mm256_add_ps(even[r], odd[r])) + (terms_even[r] + terms_odd[r]) + hsum(terms8[r])
+    })
 }
 
 /// One Q4_K row against each of the `R` rows of `xs` (the layout in `quant_gemv_vnni`'s
