@@ -133,19 +133,7 @@ unsafe fn dot<const K: u8, const R: usize>(b0: *const u8, xs: &[QuantizedX]) -> 
     let mut i = 0;
     while i + 8 <= n {
         let blk = |k: usize| b0.add((i + k) * size);
-        let eight = |at: usize| {
-            let h = |k: usize| i16::from_le_bytes([*blk(k).add(at), *blk(k).add(at + 1)]);
-            _mm256_cvtph_ps(_mm_setr_epi16(
-                h(0),
-                h(1),
-                h(2),
-                h(3),
-                h(4),
-                h(5),
-                h(6),
-                h(7),
-            ))
-        };
+        let eight = |at: usize| halves8(b0.add(i * size + at), size);
         let d8 = eight(0);
         let factor8 = match K {
             Q4_0 => _mm256_mul_ps(d8, _mm256_set1_ps(-8.0)),
@@ -202,6 +190,27 @@ unsafe fn dot<const K: u8, const R: usize>(b0: *const u8, xs: &[QuantizedX]) -> 
     std::array::from_fn(|r| {
         hsum(_mm256_add_ps(even[r], odd[r])) + (terms_even[r] + terms_odd[r]) + hsum(terms8[r])
     })
+}
+
+/// The f16 at `p` and at each of the next 7 strides of `stride` bytes (one field of 8
+/// consecutive blocks: their `d`, or `m`) as 8 f32 lanes.
+///
+/// # Safety
+/// AVX2 and F16C; two readable bytes at `p + k stride` for `k < 8`.
+#[cfg(target_arch = "x86_64")]
+#[inline(always)]
+pub(crate) unsafe fn halves8(p: *const u8, stride: usize) -> __m256 {
+    let h = |k: usize| i16::from_le_bytes([*p.add(k * stride), *p.add(k * stride + 1)]);
+    _mm256_cvtph_ps(_mm_setr_epi16(
+        h(0),
+        h(1),
+        h(2),
+        h(3),
+        h(4),
+        h(5),
+        h(6),
+        h(7),
+    ))
 }
 
 /// One Q4_K row against each of the `R` rows of `xs` (the layout in `quant_gemv_vnni`'s

@@ -364,19 +364,7 @@ unsafe fn dot_pairs<const K: u8, const R: usize>(b0: *const u8, xs: &[QuantizedX
     let mut p = 0;
     while 2 * p + 8 <= n {
         let blk = |k: usize| b0.add((2 * p + k) * size);
-        let eight = |at: usize| {
-            let h = |k: usize| i16::from_le_bytes([*blk(k).add(at), *blk(k).add(at + 1)]);
-            _mm256_cvtph_ps(_mm_setr_epi16(
-                h(0),
-                h(1),
-                h(2),
-                h(3),
-                h(4),
-                h(5),
-                h(6),
-                h(7),
-            ))
-        };
+        let eight = |at: usize| quant_gemv_int8_avx2::halves8(b0.add(2 * p * size + at), size);
         let d8 = eight(0);
         let factor8 = match K {
             Q4_0 => _mm256_mul_ps(d8, _mm256_set1_ps(-8.0)),
