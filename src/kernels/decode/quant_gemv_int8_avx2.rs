@@ -5,7 +5,10 @@
 //! those into 32-bit lanes), then one scaled FMA. Q8_0's signed weights go in as their
 //! magnitudes with their signs moved onto `x` (`vpsignb`), so that no 16-bit sum
 //! saturates (at most 2 x 128 x 127); the other types as in
-//! [`crate::kernels::decode::quant_gemv_vnni`], with their offset or `m` terms.
+//! [`crate::kernels::decode::quant_gemv_vnni`], with their offset or `m` terms, Q4_K and
+//! Q6_K (256-value blocks) a 32-value group at a time with its own scale. Each block is
+//! unpacked once for up to 2 rows of `x`, and the 32-value types' scales are converted 8
+//! blocks at a time.
 
 #![cfg_attr(not(target_arch = "x86_64"), allow(dead_code))]
 
