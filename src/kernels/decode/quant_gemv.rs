@@ -189,6 +189,29 @@ fn in_runs(nx: usize, most: usize, mut f: impl FnMut(usize, usize) -> bool) -> b
     true
 }
 
+/// Checks a tree that sums each of `L` vectors of `L` lanes into lane `i` of its result: each
+/// lane is its vector's sum, and the same bits whatever the other vectors hold (the rows
+/// reduced together, or padding zeros, do not change a row's sum).
+#[cfg(test)]
+pub(crate) fn check_sum_tree<const L: usize>(tree: impl Fn(&[[f32; L]; L]) -> [f32; L]) {
+    let lanes = |i: usize| -> [f32; L] {
+        std::array::from_fn(|k| ((i * L + k) as f32 * 0.37).sin() * 10f32.powi(k as i32 % 5))
+    };
+    let v: [[f32; L]; L] = std::array::from_fn(lanes);
+    let all = tree(&v);
+    for (i, &got) in all.iter().enumerate() {
+        let want: f64 = v[i].iter().map(|&x| f64::from(x)).sum();
+        let size: f64 = v[i].iter().map(|&x| f64::from(x.abs())).sum();
+        assert!(
+            (f64::from(got) - want).abs() <= 1e-6 * size,
+            "{i}: {got} vs {want}"
+        );
+        let mut alone = [[0f32; L]; L];
+        alone[i] = v[i];
+        assert_eq!(tree(&alone)[i].to_bits(), got.to_bits(), "{i}");
+    }
+}
+
 /// `y[j] = sum_k W[j, k] x[k] (+ bias[j])` for `W` `(y.len(), x.len())` stored as `ty` rows
 /// in `data` (one weight of [`quant_gemv_parts`]; the tests' reference).
 #[cfg(test)]
@@ -588,43 +611,28 @@ mod tests {
                             .unwrap_or_default()
                     })
                     .collect();
-                for nx in 1..=4 {
+                type Rows = fn(QuantType, &[u8], &[f32], &mut [f32], usize) -> bool;
+                let multi: &[Rows] = if avx512 {
+                    &[
+                        quant_gemv_avx512::rows_dots::<1>,
+                        quant_gemv_avx512::rows_dots::<2>,
+                        quant_gemv_avx512::rows_dots::<3>,
+                        quant_gemv_avx512::rows_dots::<4>,
+                    ]
+                } else {
+                    &[
+                        quant_gemv_avx2::rows_dots::<1>,
+                        quant_gemv_avx2::rows_dots::<2>,
+                    ]
+                };
+                for (k, dots) in multi.iter().enumerate() {
+                    let nx = k + 1;
                     let ldo = nx + 1;
                     let mut ys = vec![f32::NAN; rows * ldo];
-                    let done = match (nx, avx512) {
-                        (1, true) => {
-                            quant_gemv_avx512::rows_dots::<1>(ty, &bytes, &xs[..cols], &mut ys, ldo)
-                        }
-                        (2, true) => quant_gemv_avx512::rows_dots::<2>(
-                            ty,
-                            &bytes,
-                            &xs[..2 * cols],
-                            &mut ys,
-                            ldo,
-                        ),
-                        (3, true) => quant_gemv_avx512::rows_dots::<3>(
-                            ty,
-                            &bytes,
-                            &xs[..3 * cols],
-                            &mut ys,
-                            ldo,
-                        ),
-                        (4, true) => {
-                            quant_gemv_avx512::rows_dots::<4>(ty, &bytes, &xs, &mut ys, ldo)
-                        }
-                        (1, false) => {
-                            quant_gemv_avx2::rows_dots::<1>(ty, &bytes, &xs[..cols], &mut ys, ldo)
-                        }
-                        (2, false) => quant_gemv_avx2::rows_dots::<2>(
-                            ty,
-                            &bytes,
-                            &xs[..2 * cols],
-                            &mut ys,
-                            ldo,
-                        ),
-                        _ => continue,
-                    };
-                    assert!(done, "{ty}: {nx} rows");
+                    assert!(
+                        dots(ty, &bytes, &xs[..nx * cols], &mut ys, ldo),
+                        "{ty}: {nx} rows"
+                    );
                     for r in 0..rows {
                         for i in 0..nx {
                             let (got, want) = (ys[r * ldo + i], alone[r][i]);
@@ -634,22 +642,8 @@ mod tests {
                     }
                     // An output too short for the rows is refused.
                     let mut short = vec![0f32; (rows - 1) * ldo + nx - 1];
-                    let refused = match avx512 {
-                        true => !quant_gemv_avx512::rows_dots::<1>(
-                            ty,
-                            &bytes,
-                            &xs[..cols],
-                            &mut short[..(rows - 1) * ldo],
-                            ldo,
-                        ),
-                        false => !quant_gemv_avx2::rows_dots::<1>(
-                            ty,
-                            &bytes,
-                            &xs[..cols],
-                            &mut short[..(rows - 1) * ldo],
-                            ldo,
-                        ),
-                    };
+                    let refused =
+                        !multi[0](ty, &bytes, &xs[..cols], &mut short[..(rows - 1) * ldo], ldo);
                     assert!(refused, "{ty}: a short output");
                 }
                 // Each weight exactly as gguf-py makes it: the dot with a unit vector is that
