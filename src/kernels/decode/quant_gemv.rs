@@ -192,7 +192,7 @@ fn in_runs(nx: usize, most: usize, mut f: impl FnMut(usize, usize) -> bool) -> b
 /// Checks a tree that sums each of `L` vectors of `L` lanes into lane `i` of its result: each
 /// lane is its vector's sum, and the same bits whatever the other vectors hold (the rows
 /// reduced together, or padding zeros, do not change a row's sum).
-#[cfg(test)]
+#[cfg(all(test, target_arch = "x86_64"))]
 pub(crate) fn check_sum_tree<const L: usize>(tree: impl Fn(&[[f32; L]; L]) -> [f32; L]) {
     let lanes = |i: usize| -> [f32; L] {
         std::array::from_fn(|k| ((i * L + k) as f32 * 0.37).sin() * 10f32.powi(k as i32 % 5))
