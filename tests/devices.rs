@@ -249,3 +249,105 @@ fn gradients_on(device: &Device) -> anyhow::Result<()> {
 }
 
 test_device!(gradients_on, gradients_cpu, gradients_cuda, gradients_metal);
+
+/// The tiny GGUF decoders (Q8_0 and Q4_1, `scripts/gen_gguf_fixtures.py`) on `device` give
+/// the CPU's prompt logits within f32 rounding (the device's blocks dequantized there, the
+/// products in another order: 1e-4 of the largest) and the same 8 greedy ids, the cache
+/// decoding them on the device.
+fn gguf_models_on(device: &Device) -> anyhow::Result<()> {
+    use candle_attention::{argmax_ids, LlamaModel};
+    use candle_core::Tensor;
+    let run = |model: &LlamaModel, prompt: &[u32], dev: &Device| -> anyhow::Result<_> {
+        let mut caches = model.new_caches(prompt.len() + 8);
+        let ids = Tensor::new(prompt, dev)?.unsqueeze(0)?;
+        let logits = model.forward(&ids, &mut caches)?.squeeze(0)?; // (t, vocab)
+        let mut out = argmax_ids(&logits.narrow(0, prompt.len() - 1, 1)?)?;
+        while out.len() < 8 {
+            let step = Tensor::new(&[[out[out.len() - 1]]], dev)?;
+            out.extend(argmax_ids(&model.forward_last(&step, &mut caches)?)?);
+        }
+        let logits: Vec<f32> = logits.to_device(&Device::Cpu)?.flatten_all()?.to_vec1()?;
+        Ok((logits, out))
+    };
+    for case in [
+        "llama_gqa",
+        "llama_linear_rope",
+        "llama_head_dim",
+        "qwen2_tied",
+    ] {
+        let exp = candle_attention::Checkpoint::open(repo_path(&format!(
+            "tests/fixtures/decoders/{case}/expected.safetensors"
+        )))?;
+        let prompt: Vec<u32> = exp
+            .tensor("input_ids", &Device::Cpu)?
+            .squeeze(0)?
+            .to_dtype(DType::U32)?
+            .to_vec1()?;
+        for ty in ["q8_0", "q4_1"] {
+            let path = repo_path(&format!("tests/fixtures/gguf/{case}.{ty}.gguf"));
+            let cpu = LlamaModel::from_gguf(&path, DType::F32, &Device::Cpu)?;
+            let on = LlamaModel::from_gguf(&path, DType::F32, device)?;
+            let (want, want_ids) = run(&cpu, &prompt, &Device::Cpu)?;
+            let (got, ids) = run(&on, &prompt, device)?;
+            let top = want.iter().fold(0f32, |m, v| m.max(v.abs()));
+            let worst = got
+                .iter()
+                .zip(&want)
+                .fold(0f32, |m, (a, b)| m.max((a - b).abs()));
+            eprintln!("{case} {ty} on {device:?}: logits within {worst:e} of {top:e}");
+            assert!(worst <= 1e-4 * top, "{case} {ty}: {worst} of {top}");
+            assert_eq!(ids, want_ids, "{case} {ty}: greedy ids");
+        }
+    }
+    Ok(())
+}
+
+test_device!(
+    gguf_models_on,
+    gguf_models_cpu,
+    gguf_models_cuda,
+    gguf_models_metal
+);
+
+/// The shipped encoder (all-MiniLM-L6-v2) on `device` reproduces transformers' attentions
+/// (every layer and head, within 1e-4) and last hidden states (1e-3) on the sentences of
+/// `tests/fixtures/encoder_golden`, as `tests/encoder_golden.rs` checks on the CPU.
+fn encoder_on(device: &Device) -> anyhow::Result<()> {
+    use candle_attention::{Model, ModelResolver};
+    use candle_core::Tensor;
+    let fx = Fixture::open("encoder_golden")?;
+    let model = Model::load(
+        ModelResolver::new().resolve(None)?,
+        DType::F32,
+        device,
+        false,
+    )?;
+    let sentences = fx.meta["sentences"].as_array().cloned().unwrap_or_default();
+    assert!(sentences.len() >= 3, "encoder_golden has its sentences");
+    for s in &sentences {
+        let (key, text) = (
+            s["key"].as_str().unwrap_or(""),
+            s["text"].as_str().unwrap_or(""),
+        );
+        let batch = model.text.encode_batch(&[text], device)?;
+        let out = model.encoder.forward(
+            &batch.input_ids,
+            Some(&batch.token_type_ids),
+            Some(&batch.attention_mask),
+            true,
+        )?;
+        let attentions = out.attentions.expect("attentions");
+        // (layers, heads, seq, seq)
+        let stacked = Tensor::stack(&attentions, 0)?
+            .squeeze(1)?
+            .to_device(&Device::Cpu)?;
+        let d = max_abs_diff(&stacked, &fx.tensor(&format!("{key}.attentions"))?)?;
+        assert!(d <= 1e-4, "{key} on {device:?}: attentions off by {d:e}");
+        let hidden = out.hidden_states.to_device(&Device::Cpu)?;
+        let d = max_abs_diff(&hidden, &fx.tensor(&format!("{key}.last_hidden_state"))?)?;
+        assert!(d <= 1e-3, "{key} on {device:?}: hidden states off by {d:e}");
+    }
+    Ok(())
+}
+
+test_device!(encoder_on, encoder_cpu, encoder_cuda, encoder_metal);

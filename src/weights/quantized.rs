@@ -140,8 +140,16 @@ pub(crate) struct QuantWeight {
     ty: QuantType,
     rows: usize,
     cols: usize,
-    /// On a CUDA or Metal device: the blocks there, multiplied by candle's quantized kernels.
-    on_device: Option<Arc<QMatMul>>,
+    /// On a CUDA or Metal device: the blocks there ([`QuantWeight::on`]).
+    on_device: Option<OnDevice>,
+}
+
+/// A weight's blocks on a CUDA or Metal device: dequantized there for each exact product,
+/// multiplied by candle's quantized kernels (8-bit activations) when opted in.
+#[derive(Clone)]
+pub(crate) struct OnDevice {
+    blocks: Arc<QTensor>,
+    product: Arc<QMatMul>,
 }
 
 impl std::fmt::Debug for QuantWeight {
@@ -238,11 +246,17 @@ impl QuantWeight {
         if device.is_cpu() {
             return Ok(self);
         }
-        let q = self.candle_qtensor(device)?;
         Ok(Self {
-            on_device: Some(Arc::new(QMatMul::from_qtensor(q)?)),
+            on_device: Some(self.blocks_on(device)?),
             ..self
         })
+    }
+
+    /// The blocks on `device`, ready for both products of [`QuantWeight::forward_on_device`].
+    pub(crate) fn blocks_on(&self, device: &Device) -> Result<OnDevice> {
+        let blocks = Arc::new(self.candle_qtensor(device)?);
+        let product = Arc::new(QMatMul::from_arc(blocks.clone())?);
+        Ok(OnDevice { blocks, product })
     }
 
     /// The blocks as candle's `QTensor` `(rows, cols)` on `device` (the same bytes: candle
@@ -256,11 +270,25 @@ impl QuantWeight {
         )?)
     }
 
-    /// `x W^T` with candle's quantized kernels on `x`'s device (f32 activations, as candle's
-    /// quantized models use them), for a weight placed there by [`QuantWeight::on`].
-    pub fn forward_on_device(&self, qm: &QMatMul, x: &Tensor) -> Result<Tensor> {
+    /// `x W^T` on `x`'s device, for a weight placed there by [`QuantWeight::on`]. Exact
+    /// (`int8` off): the blocks dequantized there for the call, then the dense product in
+    /// `x`'s dtype, as the CPU's fallback. `int8`: candle's quantized kernels, which quantize
+    /// f32 activations to 8 bits (as llama.cpp and candle's quantized models do).
+    pub(crate) fn forward_on_device(
+        &self,
+        on: &OnDevice,
+        x: &Tensor,
+        int8: bool,
+    ) -> Result<Tensor> {
         let dtype = x.dtype();
-        Ok(qm.forward(&x.to_dtype(DType::F32)?)?.to_dtype(dtype)?)
+        if int8 {
+            return Ok(on
+                .product
+                .forward(&x.to_dtype(DType::F32)?)?
+                .to_dtype(dtype)?);
+        }
+        let w = on.blocks.dequantize(x.device())?.to_dtype(dtype)?;
+        Ok(Linear::new(w, None).forward(x)?)
     }
 
     /// `x W^T` for `x` `(..., cols)`; returns `(..., rows)`. A few f32 rows on the CPU go
@@ -279,8 +307,8 @@ impl QuantWeight {
             ));
         }
         if !x.track_op() {
-            if let (false, Some(qm)) = (x.device().is_cpu(), &self.on_device) {
-                return self.forward_on_device(qm, x);
+            if let (false, Some(on)) = (x.device().is_cpu(), &self.on_device) {
+                return self.forward_on_device(on, x, int8_activations());
             }
         }
         if let Some(y) = with_cpu_rows(x, |xs, rows| stacked_values(&[self], xs, rows))? {
@@ -478,8 +506,9 @@ mod tests {
 
     /// What a CUDA or Metal device gets, checked on the CPU with candle's CPU backend: the
     /// blocks read as candle's `QTensor` dequantize to this crate's values bit for bit (same
-    /// bytes, same `(rows, cols)`), and candle's quantized product (8-bit activations, as
-    /// llama.cpp) stays within a few hundredths of the magnitude of this crate's f32 one.
+    /// bytes, same `(rows, cols)`); the exact device product is this crate's within f32
+    /// rounding, and candle's quantized one (8-bit activations, as llama.cpp) within a few
+    /// hundredths of its magnitude.
     #[test]
     fn the_blocks_a_device_gets_are_the_same_weight() -> Result<()> {
         let path =
@@ -509,15 +538,18 @@ mod tests {
                 (2, *cols),
                 &Device::Cpu,
             )?;
-            let qm = QMatMul::from_qtensor(q.candle_qtensor(&Device::Cpu)?)?;
-            let (a, b) = (q.forward(&x)?, q.forward_on_device(&qm, &x)?);
+            let on = q.blocks_on(&Device::Cpu)?;
+            let a = q.forward(&x)?;
             let scale = a.abs()?.max_all()?.to_scalar::<f32>()?.max(1e-3);
-            let diff = (a - b)?.abs()?.max_all()?.to_scalar::<f32>()?;
-            assert!(
-                diff <= 0.05 * scale,
-                "{} ({ty}): {diff} against {scale}",
-                info.name
-            );
+            for (int8, tol) in [(false, 1e-5), (true, 0.05)] {
+                let b = q.forward_on_device(&on, &x, int8)?;
+                let diff = (&a - b)?.abs()?.max_all()?.to_scalar::<f32>()?;
+                assert!(
+                    diff <= tol * scale,
+                    "{} ({ty}, int8 {int8}): {diff} against {scale}",
+                    info.name
+                );
+            }
             checked.push(ty);
         }
         assert!(checked.len() >= 5, "block types checked: {checked:?}");
