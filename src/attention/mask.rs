@@ -291,18 +291,11 @@ pub(crate) fn kernel_plan(
 
 /// `(1, 1, q, k)` f32: 0 where `j <= offset + i`, `-inf` above.
 fn causal_bias(q: usize, k: usize, offset: usize, device: &Device) -> Result<Tensor> {
-    let data: Vec<f32> = (0..q)
-        .flat_map(|i| {
-            (0..k).map(move |j| {
-                if j <= offset + i {
-                    0.0
-                } else {
-                    f32::NEG_INFINITY
-                }
-            })
-        })
-        .collect();
-    Ok(Tensor::from_vec(data, (1, 1, q, k), device)?)
+    // Built where it is used: a GPU gets two index vectors, not q * k host values.
+    let last = Tensor::arange(offset as u32, (offset + q) as u32, device)?.reshape((q, 1))?;
+    let keys = Tensor::arange(0u32, k as u32, device)?.reshape((1, k))?;
+    let keep = keys.broadcast_le(&last)?; // (q, k): key j <= offset + i
+    Ok(keep_to_bias(&keep)?.reshape((1, 1, q, k))?)
 }
 
 /// u8 keep (non-zero = keep) to f32 0 / -inf, same shape.

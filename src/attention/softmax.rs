@@ -19,6 +19,9 @@ pub fn masked_softmax(scores: &Tensor, bias: Option<&Tensor>) -> Result<Tensor> 
         Some(bias) => s.broadcast_add(&bias.to_dtype(DType::F32)?)?,
         None => s,
     };
+    if !s.device().is_cpu() && !s.track_op() {
+        return fused(&s, bias.is_some());
+    }
     // A fully masked row has max = -inf; clamping makes `s - max` = -inf there (so exp = 0)
     // and leaves every finite max unchanged.
     let max = s.max_keepdim(D::Minus1)?.clamp(f32::MIN, f32::MAX)?;
@@ -30,6 +33,22 @@ pub fn masked_softmax(scores: &Tensor, bias: Option<&Tensor>) -> Result<Tensor> 
     let sum = e.sum_keepdim(D::Minus1)?;
     let sum = sum.gt(0.0)?.where_cond(&sum, &sum.ones_like()?)?;
     Ok(e.broadcast_div(&sum)?)
+}
+
+/// On a GPU, without gradients: candle's one-kernel row softmax (max, exponentials, sum and
+/// scaling in one pass over the scores instead of seven); a fully masked row, which it
+/// leaves NaN (its max is `-inf`), set to zeros.
+fn fused(s: &Tensor, masked: bool) -> Result<Tensor> {
+    let p = candle_nn::ops::softmax_last_dim(&s.contiguous()?)?;
+    if !masked {
+        return Ok(p);
+    }
+    let dead = s
+        .max_keepdim(D::Minus1)?
+        .eq(f32::NEG_INFINITY)?
+        .broadcast_as(p.shape())?;
+    let zero = Tensor::zeros((), DType::F32, p.device())?.broadcast_as(p.shape())?;
+    Ok(dead.where_cond(&zero, &p)?)
 }
 
 #[cfg(test)]
@@ -65,6 +84,33 @@ mod tests {
         assert!((g[0][0] - p0 * (1.0 - pw)).abs() < 1e-6, "{g:?}");
         assert!((g[0][1] - p1 * (-2.0 - pw)).abs() < 1e-6, "{g:?}");
         assert_eq!(g[0][2], 0.0);
+        Ok(())
+    }
+
+    /// The GPUs' route, run here on the CPU: the unfused softmax's values within f32
+    /// rounding, zeros on a fully masked row.
+    #[test]
+    fn the_fused_route_is_the_same_softmax() -> Result<()> {
+        let inf = f32::NEG_INFINITY;
+        let s = Tensor::new(
+            &[[1f32, 2., 3., -1.], [4., 5., 6., 7.], [0.5, 0., 9., 1.]],
+            &Device::Cpu,
+        )?;
+        let bias = Tensor::new(
+            &[[0f32, inf, 0., 0.], [inf, inf, inf, inf], [0., 0., 0., inf]],
+            &Device::Cpu,
+        )?;
+        for bias in [None, Some(&bias)] {
+            let want: Vec<Vec<f32>> = masked_softmax(&s, bias)?.to_vec2()?;
+            let masked = match bias {
+                Some(b) => s.broadcast_add(b)?,
+                None => s.clone(),
+            };
+            let got: Vec<Vec<f32>> = fused(&masked, bias.is_some())?.to_vec2()?;
+            for (g, w) in got.iter().flatten().zip(want.iter().flatten()) {
+                assert!((g - w).abs() <= 1e-6, "{got:?} vs {want:?}");
+            }
+        }
         Ok(())
     }
 
