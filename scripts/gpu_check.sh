@@ -20,8 +20,10 @@
 #    script compiles the kernels with nvcc and clones CUTLASS from GitHub; without network
 #    it fails and the run goes on with `cuda` alone, saying so).
 # 3. tests/devices.rs (golden against the PyTorch fixtures, invariants and gradients on
-#    `cuda`, f32 / f16 / bf16) and the golden tests (tests/golden.rs,
-#    tests/encoder_golden.rs), built with the GPU feature; then the main job on `--device cuda`.
+#    `cuda`, f32 / f16 / bf16; the shipped encoder, the explanations and the tiny GGUF
+#    decoders against their fixtures there) and the golden tests (tests/golden.rs,
+#    tests/encoder_golden.rs, CPU ones built with the GPU feature); then the main job on
+#    `--device cuda`.
 # 4. The GGUF path on the GPU: a tiny Q4_1 decoder (tests/fixtures/gguf) through `generate`
 #    on the CPU and on `cuda`, exact and with --int8-activations (candle's quantized
 #    kernels): the ids of each, which the exact ones must share with the CPU's.

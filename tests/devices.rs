@@ -351,3 +351,108 @@ fn encoder_on(device: &Device) -> anyhow::Result<()> {
 }
 
 test_device!(encoder_on, encoder_cpu, encoder_cuda, encoder_metal);
+
+/// The explanations (rollout, grad, norm) on `device` against transformers'
+/// (`tests/fixtures/explain`, as `tests/explain_golden.rs` checks them on the CPU), within
+/// 1e-4 of each one's largest entry: the shipped encoder and the tiny LLaMA with grouped K/V
+/// heads. Off the CPU the gradients come from candle's autograd of the explicit route.
+fn explanations_on(device: &Device) -> anyhow::Result<()> {
+    use candle_attention::viz::{ExplainMethod, Explanation};
+    use candle_attention::{LlamaModel, Model, ModelResolver};
+    use serde_json::Value;
+    fn floats(v: &Value) -> Vec<f32> {
+        match v {
+            Value::Array(a) => a.iter().flat_map(floats).collect(),
+            Value::Number(n) => vec![n.as_f64().unwrap_or(f64::NAN) as f32],
+            _ => vec![f32::NAN],
+        }
+    }
+    fn flat(e: &Explanation) -> Vec<f32> {
+        match e {
+            Explanation::Rollout { matrix } | Explanation::Grad { matrix, .. } => {
+                matrix.iter().flatten().copied().collect()
+            }
+            Explanation::Norm { norms, .. } => norms
+                .iter()
+                .flatten()
+                .flatten()
+                .flatten()
+                .copied()
+                .collect(),
+        }
+    }
+    let close = |what: &str, got: &Explanation, want: &Value| {
+        let (got, want) = (flat(got), floats(want));
+        assert_eq!(got.len(), want.len(), "{what} on {device:?}: sizes");
+        let scale = want.iter().fold(0f32, |m, v| m.max(v.abs())).max(1e-6);
+        let worst = got
+            .iter()
+            .zip(&want)
+            .fold(0f32, |m, (a, b)| m.max((a - b).abs()));
+        eprintln!("{what} on {device:?}: within {worst:e} of {scale:e}");
+        assert!(
+            worst <= 1e-4 * scale,
+            "{what} on {device:?}: {worst} of {scale}"
+        );
+    };
+    let read = |name: &str| -> anyhow::Result<Value> {
+        let text = std::fs::read_to_string(repo_path(&format!("tests/fixtures/explain/{name}")))?;
+        Ok(serde_json::from_str(&text)?)
+    };
+
+    let model = Model::load(
+        ModelResolver::new().resolve(None)?,
+        DType::F32,
+        device,
+        false,
+    )?;
+    let fx = read("minilm.json")?;
+    for case in fx["cases"].as_array().map_or(&[][..], Vec::as_slice) {
+        let text = case["text"].as_str().unwrap_or_default();
+        let against = case["against"].as_str();
+        let item = model.text.encode(text)?;
+        let explain = |method, against| {
+            Explanation::encoder(&model.encoder, &model.text, &item, method, against, device)
+        };
+        let rollout = explain(ExplainMethod::Rollout, None)?;
+        close(&format!("{text} rollout"), &rollout, &case["rollout"]);
+        let norm = explain(ExplainMethod::Norm, None)?;
+        close(&format!("{text} norm"), &norm, &case["norm"]);
+        let grad = explain(ExplainMethod::Grad, against)?;
+        close(&format!("{text} grad"), &grad, &case["grad"]["matrix"]);
+    }
+
+    let model = LlamaModel::from_dir(
+        repo_path("tests/fixtures/decoders/llama_gqa"),
+        DType::F32,
+        device,
+    )?;
+    let fx = read("llama_gqa.json")?;
+    for case in fx["cases"].as_array().map_or(&[][..], Vec::as_slice) {
+        let ids: Vec<u32> = floats(&case["input_ids"])
+            .iter()
+            .map(|&v| v as u32)
+            .collect();
+        let target = case["target_token_id"].as_u64().map(|t| t as u32);
+        let explain = |method| Explanation::decoder(&model, &ids, method, target, device);
+        close(
+            "llama rollout",
+            &explain(ExplainMethod::Rollout)?,
+            &case["rollout"],
+        );
+        close("llama norm", &explain(ExplainMethod::Norm)?, &case["norm"]);
+        close(
+            "llama grad",
+            &explain(ExplainMethod::Grad)?,
+            &case["grad"]["matrix"],
+        );
+    }
+    Ok(())
+}
+
+test_device!(
+    explanations_on,
+    explanations_cpu,
+    explanations_cuda,
+    explanations_metal
+);
