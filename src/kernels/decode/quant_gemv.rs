@@ -451,13 +451,15 @@ fn product(
     // 8-bit activations: AVX-512 VNNI, else AVX2 (`None`: exact).
     let int8_kernel = |ty: QuantType| int8_row_kernel(ty, int8);
     let xq = quantized_for(parts.iter().map(|p| p.0), xs, inp, int8);
-    // The tasks: each part's rows in runs of `task_len` (`y` is `(outputs, nx)`).
+    // The tasks: each part's rows in runs of `len` (`y` is `(outputs, nx)`).
     let mut tasks = Vec::new();
     let mut rest = y;
+    // One run length for all the parts, from their rows together: stacked Q, K and V make
+    // ~9 tasks, not 8 for each (the K and V ones of 24 rows, ~9 KB each).
+    let len = task_len(parts.iter().map(|p| p.3).sum(), GROUP, ROWS_PER_TASK);
     for &(ty, data, row_bytes, rows) in parts {
         let (mine, others) = rest.split_at_mut(rows * nx);
         rest = others;
-        let len = task_len(rows, GROUP, ROWS_PER_TASK);
         for (c, ys) in mine.chunks_mut(len * nx).enumerate() {
             tasks.push((ty, data, row_bytes, c * len, ys));
         }
