@@ -313,15 +313,9 @@ test_device!(
 /// (every layer and head, within 1e-4) and last hidden states (1e-3) on the sentences of
 /// `tests/fixtures/encoder_golden`, as `tests/encoder_golden.rs` checks on the CPU.
 fn encoder_on(device: &Device) -> anyhow::Result<()> {
-    use candle_attention::{Model, ModelResolver};
     use candle_core::Tensor;
     let fx = Fixture::open("encoder_golden")?;
-    let model = Model::load(
-        ModelResolver::new().resolve(None)?,
-        DType::F32,
-        device,
-        false,
-    )?;
+    let model = common::shipped_encoder(device)?;
     let sentences = fx.meta["sentences"].as_array().cloned().unwrap_or_default();
     assert!(sentences.len() >= 3, "encoder_golden has its sentences");
     for s in &sentences {
@@ -358,29 +352,9 @@ test_device!(encoder_on, encoder_cpu, encoder_cuda, encoder_metal);
 /// heads. Off the CPU the gradients come from candle's autograd of the explicit route.
 fn explanations_on(device: &Device) -> anyhow::Result<()> {
     use candle_attention::viz::{ExplainMethod, Explanation};
-    use candle_attention::{LlamaModel, Model, ModelResolver};
+    use candle_attention::LlamaModel;
+    use common::{explanation_values as flat, json_floats as floats};
     use serde_json::Value;
-    fn floats(v: &Value) -> Vec<f32> {
-        match v {
-            Value::Array(a) => a.iter().flat_map(floats).collect(),
-            Value::Number(n) => vec![n.as_f64().unwrap_or(f64::NAN) as f32],
-            _ => vec![f32::NAN],
-        }
-    }
-    fn flat(e: &Explanation) -> Vec<f32> {
-        match e {
-            Explanation::Rollout { matrix } | Explanation::Grad { matrix, .. } => {
-                matrix.iter().flatten().copied().collect()
-            }
-            Explanation::Norm { norms, .. } => norms
-                .iter()
-                .flatten()
-                .flatten()
-                .flatten()
-                .copied()
-                .collect(),
-        }
-    }
     let close = |what: &str, got: &Explanation, want: &Value| {
         let (got, want) = (flat(got), floats(want));
         assert_eq!(got.len(), want.len(), "{what} on {device:?}: sizes");
@@ -400,12 +374,7 @@ fn explanations_on(device: &Device) -> anyhow::Result<()> {
         Ok(serde_json::from_str(&text)?)
     };
 
-    let model = Model::load(
-        ModelResolver::new().resolve(None)?,
-        DType::F32,
-        device,
-        false,
-    )?;
+    let model = common::shipped_encoder(device)?;
     let fx = read("minilm.json")?;
     for case in fx["cases"].as_array().map_or(&[][..], Vec::as_slice) {
         let text = case["text"].as_str().unwrap_or_default();

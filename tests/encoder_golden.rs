@@ -9,8 +9,7 @@ use candle_core::{DType, Device, IndexOp, Tensor};
 use common::{assert_close, Fixture};
 
 fn model() -> anyhow::Result<Model> {
-    let files = ModelResolver::new().resolve(None)?;
-    Ok(Model::load(files, DType::F32, &Device::Cpu, false)?)
+    common::shipped_encoder(&Device::Cpu)
 }
 
 fn sentences(fx: &Fixture) -> Vec<(String, String)> {

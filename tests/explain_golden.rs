@@ -9,7 +9,7 @@ mod common;
 use candle_attention::viz::{ExplainMethod, Explanation, GradTarget};
 use candle_attention::{LlamaModel, Model, ModelResolver};
 use candle_core::{DType, Device};
-use common::repo_path;
+use common::{explanation_values as flat, json_floats as floats, repo_path};
 use serde_json::Value;
 
 /// Relative to the largest entry of the reference.
@@ -18,14 +18,6 @@ const TOL: f32 = 1e-4;
 fn fixture(name: &str) -> anyhow::Result<Value> {
     let path = repo_path(&format!("tests/fixtures/explain/{name}"));
     Ok(serde_json::from_str(&std::fs::read_to_string(path)?)?)
-}
-
-fn floats(v: &Value) -> Vec<f32> {
-    match v {
-        Value::Array(a) => a.iter().flat_map(floats).collect(),
-        Value::Number(n) => vec![n.as_f64().unwrap_or(f64::NAN) as f32],
-        _ => vec![f32::NAN],
-    }
 }
 
 fn close(what: &str, got: &[f32], want: &[f32]) {
@@ -40,21 +32,6 @@ fn close(what: &str, got: &[f32], want: &[f32]) {
         worst <= TOL * scale,
         "{what}: max difference {worst} against a largest entry of {scale}"
     );
-}
-
-fn flat(e: &Explanation) -> Vec<f32> {
-    match e {
-        Explanation::Rollout { matrix } | Explanation::Grad { matrix, .. } => {
-            matrix.iter().flatten().copied().collect()
-        }
-        Explanation::Norm { norms, .. } => norms
-            .iter()
-            .flatten()
-            .flatten()
-            .flatten()
-            .copied()
-            .collect(),
-    }
 }
 
 #[test]

@@ -214,3 +214,40 @@ impl<'de> serde::Deserialize<'de> for KeyOrder {
         d.deserialize_map(V)
     }
 }
+
+/// The shipped all-MiniLM-L6-v2 (`weights/`) on `device`, f32.
+pub fn shipped_encoder(device: &Device) -> anyhow::Result<candle_attention::Model> {
+    let files = candle_attention::ModelResolver::new().resolve(None)?;
+    Ok(candle_attention::Model::load(
+        files,
+        DType::F32,
+        device,
+        false,
+    )?)
+}
+
+/// Every number of a JSON value, nested arrays flattened in order (NaN for anything else).
+pub fn json_floats(v: &Value) -> Vec<f32> {
+    match v {
+        Value::Array(a) => a.iter().flat_map(json_floats).collect(),
+        Value::Number(n) => vec![n.as_f64().unwrap_or(f64::NAN) as f32],
+        _ => vec![f32::NAN],
+    }
+}
+
+/// An explanation's values in order: the matrix of rollout and grad, every norm of norm.
+pub fn explanation_values(e: &candle_attention::viz::Explanation) -> Vec<f32> {
+    use candle_attention::viz::Explanation;
+    match e {
+        Explanation::Rollout { matrix } | Explanation::Grad { matrix, .. } => {
+            matrix.iter().flatten().copied().collect()
+        }
+        Explanation::Norm { norms, .. } => norms
+            .iter()
+            .flatten()
+            .flatten()
+            .flatten()
+            .copied()
+            .collect(),
+    }
+}
