@@ -79,9 +79,9 @@ struct Args {
     /// Weights and activations: f32, f16 or bf16.
     #[arg(long, default_value = "f32")]
     dtype: String,
-    /// GGUF weights on the CPU: 8-bit activations in the products, as llama.cpp (decode
-    /// steps: AVX-512 VNNI or AVX2; prompts: AVX-512 VNNI; not exact: see
-    /// `candle_attention::set_int8_activations`).
+    /// GGUF weights: 8-bit activations in the products, as llama.cpp (on the CPU, decode
+    /// steps: AVX-512 VNNI or AVX2; prompts: AVX-512 VNNI; on CUDA / Metal: candle's
+    /// quantized kernels; not exact: see `candle_attention::set_int8_activations`).
     #[arg(long)]
     int8_activations: bool,
 }
