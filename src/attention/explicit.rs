@@ -6,7 +6,7 @@ use candle_core::{DType, Tensor};
 
 use crate::attention::mask::AttentionMask;
 use crate::attention::output::AttentionOutput;
-use crate::attention::softmax::masked_softmax;
+use crate::attention::softmax::masked_softmax_of_products;
 use crate::error::Result;
 use crate::memory;
 
@@ -70,7 +70,7 @@ pub(crate) fn explicit_probed(
     let qg = (q.contiguous()?.reshape((b, kv, g * sq, dk))? * scale)?; // (b, kv, g*sq, dk)
     let scores = qg.matmul(&k.contiguous()?.t()?)?; // (b, kv, g*sq, sk)
     let scores = scores.reshape((b, h, sq, sk))?; // (b, h, sq, sk)
-    let probs = masked_softmax(&scores, bias.as_ref())?; // (b, h, sq, sk) f32
+    let probs = masked_softmax_of_products(&scores, bias.as_ref())?; // (b, h, sq, sk) f32
     let used = match probe {
         Some(p) => (&probs + p)?,
         None => probs.clone(),

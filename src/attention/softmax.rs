@@ -14,13 +14,24 @@ use crate::error::Result;
 /// - `bias`: broadcastable to `scores`
 /// - returns: same shape as `scores`, f32
 pub fn masked_softmax(scores: &Tensor, bias: Option<&Tensor>) -> Result<Tensor> {
+    softmax_of(scores, bias, true)
+}
+
+/// [`masked_softmax`] of scores that are finite before `bias` (products of finite Q and K):
+/// without a bias, no row can be entirely `-inf`, and the GPUs' route skips looking for one.
+pub(crate) fn masked_softmax_of_products(scores: &Tensor, bias: Option<&Tensor>) -> Result<Tensor> {
+    softmax_of(scores, bias, false)
+}
+
+/// `masked_softmax`; `any_dead`: whether `scores` may hold rows entirely `-inf` on their own.
+fn softmax_of(scores: &Tensor, bias: Option<&Tensor>, any_dead: bool) -> Result<Tensor> {
     let s = scores.to_dtype(DType::F32)?;
     let s = match bias {
         Some(bias) => s.broadcast_add(&bias.to_dtype(DType::F32)?)?,
         None => s,
     };
     if !s.device().is_cpu() && !s.track_op() {
-        return fused(&s, bias.is_some());
+        return fused(&s, any_dead || bias.is_some());
     }
     // A fully masked row has max = -inf; clamping makes `s - max` = -inf there (so exp = 0)
     // and leaves every finite max unchanged.
@@ -36,11 +47,11 @@ pub fn masked_softmax(scores: &Tensor, bias: Option<&Tensor>) -> Result<Tensor> 
 }
 
 /// On a GPU, without gradients: candle's one-kernel row softmax (max, exponentials, sum and
-/// scaling in one pass over the scores instead of seven); a fully masked row, which it
-/// leaves NaN (its max is `-inf`), set to zeros.
-fn fused(s: &Tensor, masked: bool) -> Result<Tensor> {
+/// scaling in one pass over the scores instead of seven); where `dead_rows` may exist, a row
+/// entirely `-inf`, which it leaves NaN (its max is `-inf`), set to zeros.
+fn fused(s: &Tensor, dead_rows: bool) -> Result<Tensor> {
     let p = candle_nn::ops::softmax_last_dim(&s.contiguous()?)?;
-    if !masked {
+    if !dead_rows {
         return Ok(p);
     }
     let dead = s
@@ -88,7 +99,8 @@ mod tests {
     }
 
     /// The GPUs' route, run here on the CPU: the unfused softmax's values within f32
-    /// rounding, zeros on a fully masked row.
+    /// rounding, zeros on a fully masked row (masked by the bias, or `-inf` in the scores
+    /// themselves, which the public function must expect).
     #[test]
     fn the_fused_route_is_the_same_softmax() -> Result<()> {
         let inf = f32::NEG_INFINITY;
@@ -100,13 +112,21 @@ mod tests {
             &[[0f32, inf, 0., 0.], [inf, inf, inf, inf], [0., 0., 0., inf]],
             &Device::Cpu,
         )?;
-        for bias in [None, Some(&bias)] {
-            let want: Vec<Vec<f32>> = masked_softmax(&s, bias)?.to_vec2()?;
+        let dead = Tensor::new(
+            &[
+                [1f32, inf, 3., -1.],
+                [inf, inf, inf, inf],
+                [0.5, 0., 9., 1.],
+            ],
+            &Device::Cpu,
+        )?;
+        for (s, bias) in [(&s, None), (&s, Some(&bias)), (&dead, None)] {
+            let want: Vec<Vec<f32>> = masked_softmax(s, bias)?.to_vec2()?;
             let masked = match bias {
                 Some(b) => s.broadcast_add(b)?,
                 None => s.clone(),
             };
-            let got: Vec<Vec<f32>> = fused(&masked, bias.is_some())?.to_vec2()?;
+            let got: Vec<Vec<f32>> = fused(&masked, true)?.to_vec2()?;
             for (g, w) in got.iter().flatten().zip(want.iter().flatten()) {
                 assert!((g - w).abs() <= 1e-6, "{got:?} vs {want:?}");
             }
