@@ -80,8 +80,8 @@ struct Args {
     #[arg(long, default_value = "f32")]
     dtype: String,
     /// GGUF weights: 8-bit activations in the products, as llama.cpp (on the CPU, decode
-    /// steps: AVX-512 VNNI or AVX2; prompts: AVX-512 VNNI; on CUDA / Metal: candle's
-    /// quantized kernels; not exact: see `candle_attention::set_int8_activations`).
+    /// steps: AVX-512 VNNI or AVX2; prompts: AVX-512 VNNI; on CUDA: candle's quantized
+    /// kernels; not exact: see `candle_attention::set_int8_activations`).
     #[arg(long)]
     int8_activations: bool,
 }

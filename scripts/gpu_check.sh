@@ -50,10 +50,13 @@ nvidia-smi --query-gpu=name,compute_cap,driver_version,memory.total --format=csv
 
 # The binaries load CUDA's libraries by name: where the loader does not know one (PyPI's
 # wheels beside PyTorch, a driver or toolkit outside ldconfig's paths), point it there.
+# (Not a toolkit's `compat/` libcuda: the driver's own must win.)
+known="$(ldconfig -p 2>/dev/null || true)"
 for lib in libcuda.so.1 libcudart.so.13 libcublas.so.13 libcublasLt.so.13 libcurand.so.10 \
   libnvrtc.so.13; do
-  if ! ldconfig -p 2>/dev/null | grep -q "$lib"; then
-    at=$(find /usr/local /opt /usr/lib -name "$lib" 2>/dev/null | head -n 1)
+  if ! grep -qF "$lib" <<<"$known"; then
+    at=$( (find /usr/local /opt /usr/lib -name "$lib" -not -path '*/compat/*' 2>/dev/null || true) |
+      head -n 1)
     if [ -n "$at" ]; then LD_LIBRARY_PATH="$(dirname "$at")${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"; fi
   fi
 done

@@ -11,7 +11,8 @@
 # DIR/bin.tar.xz, with the source directory they were built in (`manifest_dir`: the tests
 # find their fixtures there; gpu_check.sh links it to the checkout). The binaries share most
 # of their bytes (candle's kernels), which one xz stream with a large window stores once:
-# 4 of them ~11 MiB. Nothing here needs a GPU or CUDA's libraries (see the link stubs below).
+# 4 of them ~11 MiB (the 512 MiB window needs ~5.5 GiB of memory to compress). Nothing here
+# needs a GPU or CUDA's libraries (see the link stubs below).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 out="${1:-.gpu}"
@@ -31,11 +32,11 @@ export CARGO_TARGET_DIR="${CARGO_TARGET_DIR:-$cache/target-cuda}"
 # candle links cudarc's libraries at build time (its `dynamic-linking`); PyPI's nvcc wheels
 # hold none but cudart. Stubs with the real libraries' names (sonames) and every function
 # cudarc declares stand in for the link; the GPU machine loads the real ones by those names.
-stubs="$cache/cuda-link-stubs"
-if [ ! -e "$stubs/.done" ]; then
-  src=$(cargo metadata --format-version 1 --features cuda | python3 -c '
+src=$(cargo metadata --format-version 1 --features cuda | python3 -c '
 import json, sys
 print(next(p["manifest_path"] for p in json.load(sys.stdin)["packages"] if p["name"] == "cudarc").rsplit("/", 1)[0])')
+stubs="$cache/cuda-link-stubs/$(basename "$src")" # one set per cudarc version
+if [ ! -e "$stubs/.done" ]; then
   mkdir -p "$stubs"
   for spec in driver:cuda:1 cublas:cublas:13 cublaslt:cublasLt:13 curand:curand:10 \
     nvrtc:nvrtc:13; do
@@ -56,23 +57,21 @@ for b in ${BINS:-devices attention_dump bench generate}; do
   if [ -f "tests/$b.rs" ]; then tests+=(--test "$b"); else examples+=(--example "$b"); fi
 done
 # The executables' paths, from cargo's own report (tests as `cargo test` builds them,
-# examples as `cargo build` does).
-report() {
-  python3 -c '
+# examples as `cargo build` does); a failed build stops the script here.
+report="$(mktemp)"
+trap 'rm -f "$report"' EXIT
+if [ ${#tests[@]} -gt 0 ]; then
+  cargo test "${build[@]}" "${tests[@]}" --no-run --message-format=json >>"$report"
+fi
+if [ ${#examples[@]} -gt 0 ]; then
+  cargo build "${build[@]}" "${examples[@]}" --message-format=json >>"$report"
+fi
+exes=$(python3 -c '
 import json, sys
-for line in sys.stdin:
+for line in open(sys.argv[1]):
     m = json.loads(line)
     if m.get("reason") == "compiler-artifact" and m.get("executable"):
-        print(m["target"]["name"], m["executable"])'
-}
-exes=$(
-  if [ ${#tests[@]} -gt 0 ]; then
-    cargo test "${build[@]}" "${tests[@]}" --no-run --message-format=json | report
-  fi
-  if [ ${#examples[@]} -gt 0 ]; then
-    cargo build "${build[@]}" "${examples[@]}" --message-format=json | report
-  fi
-)
+        print(m["target"]["name"], m["executable"])' "$report")
 
 rm -rf "$out/bin" && mkdir -p "$out/bin"
 while read -r name exe; do cp "$exe" "$out/bin/$name"; done <<<"$exes"

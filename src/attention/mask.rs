@@ -291,7 +291,9 @@ pub(crate) fn kernel_plan(
 
 /// `(1, 1, q, k)` f32: 0 where `j <= offset + i`, `-inf` above.
 fn causal_bias(q: usize, k: usize, offset: usize, device: &Device) -> Result<Tensor> {
-    // Built where it is used: a GPU gets two index vectors, not q * k host values.
+    // Built where it is used: a GPU gets two index vectors, not q * k host values. An
+    // offset past the keys shows them all, as `k` does (and fits the u32 indices).
+    let offset = offset.min(k);
     let last = Tensor::arange(offset as u32, (offset + q) as u32, device)?.reshape((q, 1))?;
     let keys = Tensor::arange(0u32, k as u32, device)?.reshape((1, k))?;
     let keep = keys.broadcast_le(&last)?; // (q, k): key j <= offset + i
@@ -349,6 +351,13 @@ mod tests {
         let v: Vec<Vec<f32>> = bias.reshape((2, 3))?.to_vec2()?;
         assert_eq!(v[0], vec![0.0, 0.0, f32::NEG_INFINITY]);
         assert_eq!(v[1], vec![0.0, 0.0, 0.0]);
+        // An offset past the keys (even past u32's range) shows them all.
+        for offset in [3, 1 << 20, usize::MAX - 8] {
+            let all: Vec<f32> = causal_bias(2, 3, offset, &Device::Cpu)?
+                .flatten_all()?
+                .to_vec1()?;
+            assert_eq!(all, vec![0.0; 6], "offset {offset}");
+        }
         Ok(())
     }
 

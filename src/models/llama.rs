@@ -290,7 +290,7 @@ fn quantized_attention(
     } else {
         (q, k)
     };
-    // On CUDA and Metal the blocks also go to the device, for candle's quantized kernels.
+    // On CUDA and Metal the blocks also go to the device (`QuantWeight::forward_on_device`).
     let device = vb.device();
     let (q, k, v, o) = (q.on(device)?, k.on(device)?, v.on(device)?, o.on(device)?);
     let bias = |proj: &str, n: usize| -> Result<Option<Tensor>> {
@@ -570,8 +570,10 @@ impl LlamaModel {
     /// the weights as transformers dequantizes them (`gguf_file=`). The matrices stored in
     /// block types stay in their blocks: on the CPU read from the file's memory map by this
     /// crate's kernels (the same values as the dequantized weight's), on CUDA and Metal
-    /// copied to the device for candle's quantized kernels (which round the activations to
-    /// 8 bits, as llama.cpp does); float matrices and norms are loaded in `dtype`.
+    /// copied to the device as stored: CUDA dequantizes them there for each product (exact;
+    /// candle's quantized kernels, which round the activations to 8 bits as llama.cpp does,
+    /// with [`crate::set_int8_activations`]), Metal multiplies them with candle's quantized
+    /// kernels; float matrices and norms are loaded in `dtype`.
     pub fn from_gguf(path: impl AsRef<Path>, dtype: DType, device: &Device) -> Result<Self> {
         let file = GgufFile::open(path)?;
         let raw = gguf_layout::hf_config(&file)?;

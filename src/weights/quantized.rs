@@ -144,8 +144,9 @@ pub(crate) struct QuantWeight {
     on_device: Option<OnDevice>,
 }
 
-/// A weight's blocks on a CUDA or Metal device: dequantized there for each exact product,
-/// multiplied by candle's quantized kernels (8-bit activations) when opted in.
+/// A weight's blocks on a CUDA or Metal device, for [`QuantWeight::forward_on_device`]:
+/// dequantized there for each exact product on CUDA, else multiplied by candle's quantized
+/// kernels.
 #[derive(Clone)]
 pub(crate) struct OnDevice {
     blocks: Arc<QTensor>,
@@ -239,9 +240,9 @@ impl QuantWeight {
         })
     }
 
-    /// The same weight with its blocks also on `device` (CUDA or Metal), where candle's
-    /// quantized kernels multiply them; the CPU keeps reading the file's. On the CPU itself:
-    /// unchanged.
+    /// The same weight with its blocks also on `device` (CUDA or Metal), for
+    /// [`QuantWeight::forward_on_device`]; the CPU keeps reading the file's. On the CPU
+    /// itself: unchanged.
     pub fn on(self, device: &Device) -> Result<Self> {
         if device.is_cpu() {
             return Ok(self);
@@ -270,30 +271,46 @@ impl QuantWeight {
         )?)
     }
 
-    /// `x W^T` on `x`'s device, for a weight placed there by [`QuantWeight::on`]. Exact
-    /// (`int8` off): the blocks dequantized there for the call, then the dense product in
-    /// `x`'s dtype, as the CPU's fallback. `int8`: candle's quantized kernels, which quantize
-    /// f32 activations to 8 bits (as llama.cpp and candle's quantized models do).
+    /// `x W^T` on `x`'s device, for a weight placed there by [`QuantWeight::on`].
+    ///
+    /// On CUDA, exact unless `int8`: the blocks dequantized there for the call (a transient
+    /// f32 copy of this one weight), then the dense product in `x`'s dtype, as the CPU's
+    /// fallback. With `int8`, and always on Metal (whose candle dequantizes on the host,
+    /// a round trip per call): candle's quantized kernels, on f32 activations. CUDA's
+    /// round them to 8 bits (q8_1, as llama.cpp); Metal's one-row product reads them as
+    /// they are, its larger ones in half precision.
     pub(crate) fn forward_on_device(
         &self,
         on: &OnDevice,
         x: &Tensor,
         int8: bool,
     ) -> Result<Tensor> {
-        let dtype = x.dtype();
-        if int8 {
-            return Ok(on
-                .product
-                .forward(&x.to_dtype(DType::F32)?)?
-                .to_dtype(dtype)?);
+        if int8 || !x.device().is_cuda() {
+            Self::kernels_product(on, x)
+        } else {
+            Self::dequantized_product(on, x)
         }
-        let w = on.blocks.dequantize(x.device())?.to_dtype(dtype)?;
+    }
+
+    /// `x W^T` by candle's quantized kernels on `x`'s device (f32 activations in).
+    fn kernels_product(on: &OnDevice, x: &Tensor) -> Result<Tensor> {
+        let dtype = x.dtype();
+        Ok(on
+            .product
+            .forward(&x.to_dtype(DType::F32)?)?
+            .to_dtype(dtype)?)
+    }
+
+    /// `x W^T` by the blocks dequantized on `x`'s device, then the dense product in `x`'s
+    /// dtype.
+    fn dequantized_product(on: &OnDevice, x: &Tensor) -> Result<Tensor> {
+        let w = on.blocks.dequantize(x.device())?.to_dtype(x.dtype())?;
         Ok(Linear::new(w, None).forward(x)?)
     }
 
     /// `x W^T` for `x` `(..., cols)`; returns `(..., rows)`. A few f32 rows on the CPU go
     /// through this crate's row kernels, on a device the weight was placed on
-    /// ([`QuantWeight::on`]) through candle's quantized kernels; more f32 rows on the CPU (a
+    /// ([`QuantWeight::on`]) through [`QuantWeight::forward_on_device`]; more f32 rows on the CPU (a
     /// prompt) by the weight dequantized for the call straight into the micro-kernels'
     /// panels; anything else (an input that tracks gradients: candle's kernels have no
     /// backward, another dtype or device) by the weight dequantized as a tensor.
@@ -541,12 +558,14 @@ mod tests {
             let on = q.blocks_on(&Device::Cpu)?;
             let a = q.forward(&x)?;
             let scale = a.abs()?.max_all()?.to_scalar::<f32>()?.max(1e-3);
-            for (int8, tol) in [(false, 1e-5), (true, 0.05)] {
-                let b = q.forward_on_device(&on, &x, int8)?;
+            // Both routes a device takes (CUDA's exact one, candle's kernels), run here.
+            let exact = QuantWeight::dequantized_product(&on, &x)?;
+            let kernels = QuantWeight::kernels_product(&on, &x)?;
+            for (route, b, tol) in [("exact", exact, 1e-5), ("kernels", kernels, 0.05)] {
                 let diff = (&a - b)?.abs()?.max_all()?.to_scalar::<f32>()?;
                 assert!(
                     diff <= tol * scale,
-                    "{} ({ty}, int8 {int8}): {diff} against {scale}",
+                    "{} ({ty}, {route}): {diff} against {scale}",
                     info.name
                 );
             }

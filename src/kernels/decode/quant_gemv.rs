@@ -35,9 +35,9 @@ static INT8_ACTIVATIONS: AtomicBool = AtomicBool::new(false);
 /// K-quants of Q4_K_M files, have 8-bit kernels). Prompts of more than a few
 /// rows are 8-bit with AVX-512 VNNI, every integer block type (K-quants too) in one matrix
 /// product (about 2.8x the f32 micro-kernels' rate on AMD Zen 4), and exact elsewhere. On
-/// CUDA and Metal the same switch picks candle's quantized kernels (which round the
-/// activations to 8 bits) over the exact default there: the blocks dequantized on the
-/// device, then an f32 product.
+/// CUDA the same switch picks candle's quantized kernels (which round the activations to 8
+/// bits) over the exact default there: the blocks dequantized on the device, then an f32
+/// product. Metal always takes candle's kernels (see the README).
 pub fn set_int8_activations(on: bool) {
     INT8_ACTIVATIONS.store(on, Ordering::Relaxed);
 }
