@@ -26,20 +26,11 @@ what=("$@")
 [ ${#what[@]} -eq 0 ] && what=(cuda flash-attn metal)
 status=0
 
+# shellcheck source=scripts/cuda_wheels.sh
+. scripts/cuda_wheels.sh
 cuda_env() {
-  local dir="$cache/cuda13"
-  if [ ! -x "$dir/nvidia/cu13/bin/nvcc" ]; then
-    echo "== installing nvcc (CUDA 13.0 wheels from PyPI) into $dir"
-    python3 -m pip install --quiet --disable-pip-version-check --no-deps --target "$dir" \
-      nvidia-cuda-nvcc==13.0.88 nvidia-cuda-crt==13.0.88 nvidia-nvvm==13.0.88 \
-      nvidia-cuda-runtime==13.0.96 nvidia-cuda-cccl==13.0.85
-  fi
-  local cu="$dir/nvidia/cu13"
-  # The wheels split the toolkit: headers of cccl/crt/runtime live beside nvcc's own.
-  export PATH="$cu/bin:$PATH"
-  export CUDA_ROOT="$cu" CUDA_PATH="$cu" CUDA_TOOLKIT_ROOT_DIR="$cu"
+  cuda_from_pypi "$cache"
   export CUDA_COMPUTE_CAP="${CUDA_COMPUTE_CAP:-90}"
-  export NVCC_APPEND_FLAGS="${NVCC_APPEND_FLAGS:-} -I$cu/include"
   nvcc --version | tail -2
 }
 

@@ -92,16 +92,9 @@ if ! command -v nvcc >/dev/null; then
   done
 fi
 if ! command -v nvcc >/dev/null; then
-  dir="$cache/cuda13"
-  if [ ! -x "$dir/nvidia/cu13/bin/nvcc" ]; then
-    echo "== installing nvcc (CUDA 13.0 wheels from PyPI) into $dir"
-    "$PY" -m pip install --quiet --disable-pip-version-check --no-deps --target "$dir" \
-      nvidia-cuda-nvcc==13.0.88 nvidia-cuda-crt==13.0.88 nvidia-nvvm==13.0.88 \
-      nvidia-cuda-runtime==13.0.96 nvidia-cuda-cccl==13.0.85
-  fi
-  cu="$dir/nvidia/cu13"
-  export PATH="$cu/bin:$PATH" CUDA_ROOT="$cu" CUDA_PATH="$cu" CUDA_TOOLKIT_ROOT_DIR="$cu"
-  export NVCC_APPEND_FLAGS="${NVCC_APPEND_FLAGS:-} -I$cu/include"
+  # shellcheck source=scripts/cuda_wheels.sh
+  . scripts/cuda_wheels.sh
+  cuda_from_pypi "$cache" "$PY"
 fi
 nvcc --version | tail -2
 if [ -z "${CUDA_COMPUTE_CAP:-}" ]; then

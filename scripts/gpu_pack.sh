@@ -17,16 +17,11 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 out="${1:-.gpu}"
 cache="${CANDLE_ATTENTION_CACHE:-$HOME/.cache/candle-attention}"
-dir="$cache/cuda13"
-if [ ! -x "$dir/nvidia/cu13/bin/nvcc" ]; then
-  echo "== installing nvcc (CUDA 13.0 wheels from PyPI) into $dir"
-  python3 -m pip install --quiet --disable-pip-version-check --no-deps --target "$dir" \
-    nvidia-cuda-nvcc==13.0.88 nvidia-cuda-crt==13.0.88 nvidia-nvvm==13.0.88 \
-    nvidia-cuda-runtime==13.0.96 nvidia-cuda-cccl==13.0.85
-fi
-cu="$dir/nvidia/cu13"
-export PATH="$cu/bin:$PATH" CUDA_ROOT="$cu" CUDA_PATH="$cu" CUDA_TOOLKIT_ROOT_DIR="$cu"
-export CUDA_COMPUTE_CAP="${CUDA_COMPUTE_CAP:-90}" NVCC_APPEND_FLAGS="${NVCC_APPEND_FLAGS:-} -I$cu/include"
+# shellcheck source=scripts/cuda_wheels.sh
+. scripts/cuda_wheels.sh
+cuda_from_pypi "$cache"
+cu="$CUDA_ROOT"
+export CUDA_COMPUTE_CAP="${CUDA_COMPUTE_CAP:-90}"
 export CARGO_TARGET_DIR="${CARGO_TARGET_DIR:-$cache/target-cuda}"
 
 # candle links cudarc's libraries at build time (its `dynamic-linking`); PyPI's nvcc wheels
