@@ -257,34 +257,10 @@ test_device!(gradients_on, gradients_cpu, gradients_cuda, gradients_metal);
 /// them on the device. On Metal, where candle's kernels multiply the blocks, within 5% and
 /// without the ids.
 fn gguf_models_on(device: &Device) -> anyhow::Result<()> {
-    use candle_attention::{argmax_ids, LlamaModel};
-    use candle_core::Tensor;
-    let run = |model: &LlamaModel, prompt: &[u32], dev: &Device| -> anyhow::Result<_> {
-        let mut caches = model.new_caches(prompt.len() + 8);
-        let ids = Tensor::new(prompt, dev)?.unsqueeze(0)?;
-        let logits = model.forward(&ids, &mut caches)?.squeeze(0)?; // (t, vocab)
-        let mut out = argmax_ids(&logits.narrow(0, prompt.len() - 1, 1)?)?;
-        while out.len() < 8 {
-            let step = Tensor::new(&[[out[out.len() - 1]]], dev)?;
-            out.extend(argmax_ids(&model.forward_last(&step, &mut caches)?)?);
-        }
-        let logits: Vec<f32> = logits.to_device(&Device::Cpu)?.flatten_all()?.to_vec1()?;
-        Ok((logits, out))
-    };
-    for case in [
-        "llama_gqa",
-        "llama_linear_rope",
-        "llama_head_dim",
-        "qwen2_tied",
-    ] {
-        let exp = candle_attention::Checkpoint::open(repo_path(&format!(
-            "tests/fixtures/decoders/{case}/expected.safetensors"
-        )))?;
-        let prompt: Vec<u32> = exp
-            .tensor("input_ids", &Device::Cpu)?
-            .squeeze(0)?
-            .to_dtype(DType::U32)?
-            .to_vec1()?;
+    use candle_attention::LlamaModel;
+    use common::{decoder_prompt, greedy_run as run, GGUF_CASES};
+    for case in GGUF_CASES {
+        let prompt = decoder_prompt(case)?;
         for ty in ["q8_0", "q4_1"] {
             let path = repo_path(&format!("tests/fixtures/gguf/{case}.{ty}.gguf"));
             let dense = repo_path(&format!("tests/fixtures/gguf/{case}.{ty}"));

@@ -6,41 +6,14 @@
 
 mod common;
 
-use candle_attention::{argmax_ids, Checkpoint, GgufFile, LlamaConfig, LlamaModel};
+use candle_attention::{argmax_ids, GgufFile, LlamaConfig, LlamaModel};
 use candle_core::{DType, Device, Tensor};
-use common::repo_path;
+use common::{decoder_prompt as prompt_of, repo_path};
 
-const CASES: [&str; 4] = [
-    "llama_gqa",
-    "llama_linear_rope",
-    "llama_head_dim",
-    "qwen2_tied",
-];
+const CASES: [&str; 4] = common::GGUF_CASES;
 
-/// The prompt's logits and 8 greedy ids (decoded with the cache).
 fn run(model: &LlamaModel, prompt: &[u32]) -> anyhow::Result<(Vec<f32>, Vec<u32>)> {
-    let dev = Device::Cpu;
-    let mut caches = model.new_caches(prompt.len() + 8);
-    let ids = Tensor::new(prompt, &dev)?.unsqueeze(0)?;
-    let logits = model.forward(&ids, &mut caches)?.squeeze(0)?; // (t, vocab)
-    let last = logits.narrow(0, prompt.len() - 1, 1)?; // (1, vocab)
-    let mut out = argmax_ids(&last)?;
-    while out.len() < 8 {
-        let step = Tensor::new(&[[out[out.len() - 1]]], &dev)?;
-        out.extend(argmax_ids(&model.forward_last(&step, &mut caches)?)?);
-    }
-    Ok((logits.flatten_all()?.to_vec1()?, out))
-}
-
-fn prompt_of(case: &str) -> anyhow::Result<Vec<u32>> {
-    let exp = Checkpoint::open(repo_path(&format!(
-        "tests/fixtures/decoders/{case}/expected.safetensors"
-    )))?;
-    Ok(exp
-        .tensor("input_ids", &Device::Cpu)?
-        .squeeze(0)?
-        .to_dtype(DType::U32)?
-        .to_vec1()?)
+    common::greedy_run(model, prompt, &Device::Cpu)
 }
 
 /// The two models give the same greedy ids, and prompt logits within `tol` times the

@@ -251,3 +251,44 @@ pub fn explanation_values(e: &candle_attention::viz::Explanation) -> Vec<f32> {
             .collect(),
     }
 }
+
+/// The tiny decoders of `tests/fixtures/decoders/` that `scripts/gen_gguf_fixtures.py` also
+/// writes as GGUF files.
+pub const GGUF_CASES: [&str; 4] = [
+    "llama_gqa",
+    "llama_linear_rope",
+    "llama_head_dim",
+    "qwen2_tied",
+];
+
+/// The prompt ids of a decoder fixture (`expected.safetensors`' `input_ids`).
+pub fn decoder_prompt(case: &str) -> anyhow::Result<Vec<u32>> {
+    let exp = Checkpoint::open(repo_path(&format!(
+        "tests/fixtures/decoders/{case}/expected.safetensors"
+    )))?;
+    Ok(exp
+        .tensor("input_ids", &Device::Cpu)?
+        .squeeze(0)?
+        .to_dtype(DType::U32)?
+        .to_vec1()?)
+}
+
+/// The prompt's logits (on the CPU) and 8 greedy ids, decoded with the cache, of `model`
+/// on `device`.
+pub fn greedy_run(
+    model: &candle_attention::LlamaModel,
+    prompt: &[u32],
+    device: &Device,
+) -> anyhow::Result<(Vec<f32>, Vec<u32>)> {
+    use candle_attention::argmax_ids;
+    let mut caches = model.new_caches(prompt.len() + 8);
+    let ids = Tensor::new(prompt, device)?.unsqueeze(0)?;
+    let logits = model.forward(&ids, &mut caches)?.squeeze(0)?; // (t, vocab)
+    let mut out = argmax_ids(&logits.narrow(0, prompt.len() - 1, 1)?)?;
+    while out.len() < 8 {
+        let step = Tensor::new(&[[out[out.len() - 1]]], device)?;
+        out.extend(argmax_ids(&model.forward_last(&step, &mut caches)?)?);
+    }
+    let logits = logits.to_device(&Device::Cpu)?.flatten_all()?.to_vec1()?;
+    Ok((logits, out))
+}
