@@ -7,6 +7,7 @@ pub(crate) mod gemv;
 pub(crate) mod gemv_avx512;
 pub(crate) mod keep_warm;
 pub(crate) mod one_query;
+pub(crate) mod prefetch;
 pub(crate) mod quant_gemv;
 pub(crate) mod quant_gemv_avx2;
 pub(crate) mod quant_gemv_avx512;

@@ -93,13 +93,17 @@ unsafe fn rows_dots_avx2<const R: usize>(
     out: &mut [f32],
     ldo: usize,
 ) {
+    use crate::kernels::decode::prefetch::{rows_ahead, AHEAD};
     // One loop over the rows per type, the kernel inlined in it; the rows' sums reduced 8
-    // at a time (one transposing tree instead of a horizontal sum per row).
+    // at a time (one transposing tree instead of a horizontal sum per row); each row's
+    // lines requested `AHEAD` bytes ahead.
     macro_rules! each_row {
         ($row:ident => $dot:expr) => {{
             let mut pending = [[_mm256_setzero_ps(); 8]; R];
             let mut first = 0;
+            let end = rows.as_ptr_range().end;
             for (j, $row) in rows.chunks_exact(row_bytes).enumerate() {
+                rows_ahead($row.as_ptr(), row_bytes, AHEAD, end);
                 let acc = $dot;
                 for (r, a) in acc.iter().enumerate() {
                     pending[r][j - first] =

@@ -97,12 +97,16 @@ unsafe fn rows_dots_avx512<const R: usize>(
     out: &mut [f32],
     ldo: usize,
 ) {
+    use crate::kernels::decode::prefetch::{rows_ahead, AHEAD};
     // One loop over the rows per type, the kernel inlined in it; the rows' sums reduced
-    // 16 at a time (one transposing tree instead of a horizontal sum per row).
+    // 16 at a time (one transposing tree instead of a horizontal sum per row); each row's
+    // lines requested `AHEAD` bytes ahead.
     macro_rules! each_row {
         ($row:ident => $dot:expr) => {{
             let mut sums = RowSums::<R>::new(out, ldo);
+            let end = rows.as_ptr_range().end;
             for $row in rows.chunks_exact(row_bytes) {
+                rows_ahead($row.as_ptr(), row_bytes, AHEAD, end);
                 let acc = $dot;
                 sums.push(std::array::from_fn(|r| {
                     let a = &acc[r];

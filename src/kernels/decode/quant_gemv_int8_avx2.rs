@@ -50,10 +50,14 @@ pub(crate) fn rows_dots<const R: usize>(
     };
     #[cfg(target_arch = "x86_64")]
     {
+        use crate::kernels::decode::prefetch::{rows_ahead, AHEAD};
         use crate::kernels::decode::quant_gemv::kind::{Q4_0, Q4_1, Q5_0, Q5_1, Q8_0};
+        let end = rows.as_ptr_range().end;
+        // Each row's lines requested `AHEAD` bytes ahead.
         macro_rules! each_row {
             ($dot:ident $(::<$k:ident>)?) => {
                 for (j, row) in rows.chunks_exact(row_bytes).enumerate() {
+                    rows_ahead(row.as_ptr(), row_bytes, AHEAD, end);
                     // SAFETY: the features checked by `supports`; `row` holds `inp / 32`
                     // whole blocks (`inp / 256` for the K-quants), each of `xs` `inp` values.
                     let sums = unsafe { $dot::<$($k,)? R>(row.as_ptr(), xs) };

@@ -266,7 +266,8 @@ unsafe fn rows_dots_vnni<const R: usize>(
 ) {
     use crate::kernels::decode::quant_gemv::kind::{Q4_0, Q4_1, Q5_0, Q5_1, Q8_0};
     use crate::kernels::decode::quant_gemv_avx512::RowSums;
-    // The rows' lanes summed 16 rows at a time, as the exact kernels sum theirs.
+    // The rows' lanes summed 16 rows at a time, as the exact kernels sum theirs (no software
+    // prefetch: see `prefetch.rs`).
     macro_rules! each_row {
         ($dot:ident $(::<$k:ident>)?) => {{
             let mut sums = RowSums::<R>::new(out, ldo);
