@@ -5,6 +5,7 @@
 
 pub(crate) mod batching;
 pub(crate) mod bert;
+pub(crate) mod decode_step;
 pub(crate) mod embedder;
 pub(crate) mod kv_cache;
 pub(crate) mod llama;

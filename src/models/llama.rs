@@ -20,6 +20,7 @@ use crate::error::{Error, Result};
 use crate::kernels::decode::gemv::{one_row_gated, one_row_linear};
 use crate::kernels::decode::widen;
 use crate::kernels::pool::in_pool;
+use crate::models::decode_step::{DecodeStep, StepAttention};
 use crate::models::kv_cache::KvCache;
 use crate::models::rope::{RopeConfig, RopeLayout, RopeScaling, RotaryEmbedding};
 use crate::models::trace::{graph_input, probe, ForwardTrace, TraceOptions};
@@ -260,13 +261,13 @@ impl Embed {
 }
 
 /// The attention projections of a GGUF file's layer under `vb` (`...self_attn`) kept in their
-/// blocks, llama.cpp's rotary row order undone; `None` when one of them is stored in a float
-/// type (the dense path loads those).
+/// blocks, llama.cpp's rotary row order undone (also as the decode step reads them, on the
+/// CPU); `None` when one of them is stored in a float type (the dense path loads those).
 fn quantized_attention(
     file: &GgufFile,
     vb: &VarBuilder,
     cfg: &LlamaConfig,
-) -> Result<Option<LayerProjections>> {
+) -> Result<Option<(LayerProjections, Option<StepAttention>)>> {
     let (d, heads) = (cfg.hidden_size, cfg.num_attention_heads);
     let kv_heads = cfg.num_key_value_heads.unwrap_or(heads);
     let hd = cfg.rope.head_dim;
@@ -308,13 +309,34 @@ fn quantized_attention(
     ];
     let qkv_bias = fused_bias(parts, DType::F32, device)?;
     let o_bias = bias("o_proj", d)?;
-    Ok(Some(LayerProjections::quantized(
-        [q, k, v],
-        qkv_bias,
-        Some((o, o_bias)),
-        heads,
-        kv_heads,
-    )?))
+    let step = if device.is_cpu() {
+        let values = |b: &Option<Tensor>| b.as_ref().map(|b| b.to_vec1::<f32>()).transpose();
+        Some(StepAttention {
+            qkv: [q.clone(), k.clone(), v.clone()],
+            qkv_bias: values(&qkv_bias)?,
+            o: o.clone(),
+            o_bias: values(&o_bias)?,
+            heads,
+            kv_heads,
+            head_dim: hd,
+        })
+    } else {
+        None
+    };
+    let projections =
+        LayerProjections::quantized([q, k, v], qkv_bias, Some((o, o_bias)), heads, kv_heads)?;
+    Ok(Some((projections, step)))
+}
+
+/// A layer's attention as `cfg` describes it; sizes stated, so that every projection is
+/// read with its full shape.
+fn attention_config(cfg: &LlamaConfig) -> AttentionConfig {
+    let heads = cfg.num_attention_heads;
+    AttentionConfig::new(WeightLayout::Llama, heads)
+        .with_kv_heads(cfg.num_key_value_heads.unwrap_or(heads))
+        .with_causal(true)
+        .with_hidden_size(cfg.hidden_size)
+        .with_head_dim(cfg.rope.head_dim)
 }
 
 /// `down(silu(gate(x)) * up(x))`.
@@ -333,6 +355,16 @@ impl Mlp {
             up: Proj::load(&vb.pp("up_proj"), d, i, quant)?,
             down: Proj::load(&vb.pp("down_proj"), i, d, quant)?,
         })
+    }
+
+    /// Gate, up and down when all three are kept in their blocks.
+    fn quantized(&self) -> Option<[QuantWeight; 3]> {
+        match (&self.gate, &self.up, &self.down) {
+            (Proj::Quant(g), Proj::Quant(u), Proj::Quant(d)) => {
+                Some([g.clone(), u.clone(), d.clone()])
+            }
+            _ => None,
+        }
     }
 
     fn forward(&self, x: &Tensor) -> Result<Tensor> {
@@ -372,6 +404,8 @@ struct DecoderLayer {
     post_norm: RmsNorm,
     mlp: Mlp,
     window: Option<usize>,
+    /// The decode step's weights: a GGUF layer on the CPU (f32 hidden states).
+    step: Option<DecodeStep>,
 }
 
 impl DecoderLayer {
@@ -508,26 +542,36 @@ impl LlamaModel {
         let mut layers = Vec::with_capacity(cfg.num_hidden_layers);
         for i in 0..cfg.num_hidden_layers {
             let l = m.pp(format!("layers.{i}"));
-            // Sizes stated: every projection is read with its full shape.
-            let acfg = AttentionConfig::new(WeightLayout::Llama, heads)
-                .with_kv_heads(kv_heads)
-                .with_causal(true)
-                .with_hidden_size(d)
-                .with_head_dim(cfg.rope.head_dim);
+            let acfg = attention_config(cfg);
             let quantized = match quant {
                 Some(file) => quantized_attention(file, &l.pp("self_attn"), cfg)?,
                 None => None,
             };
-            let attn = match quantized {
-                Some(p) => MultiHeadSelfAttention::from_projections(p, &acfg),
-                None => MultiHeadSelfAttention::load(l.pp("self_attn"), &acfg)?,
+            let (attn, step_attn) = match quantized {
+                Some((p, step)) => (MultiHeadSelfAttention::from_projections(p, &acfg), step),
+                None => (
+                    MultiHeadSelfAttention::load(l.pp("self_attn"), &acfg)?,
+                    None,
+                ),
+            };
+            let (input_norm, post_norm) = (
+                rms(l.pp("input_layernorm"))?,
+                rms(l.pp("post_attention_layernorm"))?,
+            );
+            let mlp = Mlp::load(l.pp("mlp"), cfg, quant)?;
+            let step = match (step_attn, mlp.quantized()) {
+                (Some(a), Some(m)) if compute == DType::F32 => {
+                    Some(DecodeStep::new(&input_norm, &post_norm, a, m)?)
+                }
+                _ => None,
             };
             layers.push(DecoderLayer {
-                input_norm: rms(l.pp("input_layernorm"))?,
+                input_norm,
                 attn,
-                post_norm: rms(l.pp("post_attention_layernorm"))?,
-                mlp: Mlp::load(l.pp("mlp"), cfg, quant)?,
+                post_norm,
+                mlp,
                 window: cfg.window_of(i),
+                step,
             });
             let head_dim = layers[i].attn.head_dim();
             if head_dim != cfg.rope.head_dim {
@@ -663,6 +707,11 @@ impl LlamaModel {
             ));
         }
         let mut x = self.embed.forward(ids)?.to_dtype(self.compute)?; // (b, t, hidden)
+        if !weights {
+            if let Some(out) = self.decode_step(&x, caches)? {
+                return Ok((self.norm.forward(&out)?, Vec::new()));
+            }
+        }
         let mut all = Vec::with_capacity(if weights { self.layers.len() } else { 0 });
         for (layer, cache) in self.layers.iter().zip(caches.iter_mut()) {
             let (next, w) = layer.forward(&x, &self.rope, cache, weights)?;
@@ -672,6 +721,79 @@ impl LlamaModel {
             }
         }
         Ok((self.norm.forward(&x)?, all))
+    }
+
+    /// One token's hidden state `x` `(1, 1, hidden)` through every layer on the decode step's
+    /// path ([`DecodeStep`]), where every layer has one; `Ok(None)` otherwise.
+    fn decode_step(&self, x: &Tensor, caches: &mut [KvCache]) -> Result<Option<Tensor>> {
+        let (b, t, d) = x.dims3()?;
+        let steps: Option<Vec<&DecodeStep>> = self.layers.iter().map(|l| l.step.as_ref()).collect();
+        let Some(steps) = steps.filter(|_| (b, t) == (1, 1) && x.device().is_cpu()) else {
+            return Ok(None);
+        };
+        let mut h: Vec<f32> = x.flatten_all()?.to_vec1()?;
+        let position = caches.first().map_or(0, KvCache::len);
+        let angles = self.rope.row(position)?;
+        for ((step, layer), cache) in steps.into_iter().zip(&self.layers).zip(caches.iter_mut()) {
+            step.forward(&mut h, (&self.rope, &angles), cache, layer.window)?;
+        }
+        Ok(Some(Tensor::from_vec(h, (1, 1, d), x.device())?))
+    }
+
+    /// The model without its decode step's path (every step through the tensor ops), for
+    /// comparing the two.
+    #[cfg(test)]
+    pub(crate) fn without_decode_step(mut self) -> Self {
+        for l in &mut self.layers {
+            l.step = None;
+        }
+        self
+    }
+
+    /// Whether every layer has a decode step's path.
+    #[cfg(test)]
+    pub(crate) fn has_decode_step(&self) -> bool {
+        self.layers.iter().all(|l| l.step.is_some())
+    }
+
+    /// The model with Q/K/V and output biases (Qwen2's) added to every layer's quantized
+    /// attention on both paths, for tests (the GGUF fixtures with biases have float weights).
+    #[cfg(test)]
+    pub(crate) fn with_biases(mut self) -> Result<Self> {
+        let acfg = attention_config(&self.cfg);
+        for (i, l) in self.layers.iter_mut().enumerate() {
+            let Some(step) = &mut l.step else {
+                continue;
+            };
+            let a = step.attention().clone();
+            let n = (a.heads + 2 * a.kv_heads) * a.head_dim;
+            let qkv: Vec<f32> = (0..n)
+                .map(|j| ((j * 7 + i) % 13) as f32 / 13.0 - 0.5)
+                .collect();
+            let o: Vec<f32> = (0..a.o.dims().0)
+                .map(|j| ((j * 5 + i) % 11) as f32 / 22.0 - 0.25)
+                .collect();
+            let tensor = |v: &[f32]| Tensor::new(v, &Device::Cpu);
+            let p = LayerProjections::quantized(
+                a.qkv.clone(),
+                Some(tensor(&qkv)?),
+                Some((a.o.clone(), Some(tensor(&o)?))),
+                a.heads,
+                a.kv_heads,
+            )?;
+            l.attn = MultiHeadSelfAttention::from_projections(p, &acfg);
+            step.set_biases(qkv, o);
+        }
+        Ok(self)
+    }
+
+    /// The model with a sliding window of `w` keys in every layer (Mistral's), for tests.
+    #[cfg(test)]
+    pub(crate) fn with_window(mut self, w: usize) -> Self {
+        for l in &mut self.layers {
+            l.window = Some(w);
+        }
+        self
     }
 
     /// A fresh prompt `ids` `(1, seq)` kept for explanations: the last position's logits

@@ -235,6 +235,48 @@ impl RopeConfig {
     }
 }
 
+/// One position's rotation as plain values ([`RotaryEmbedding::row`]).
+#[derive(Debug, Clone)]
+pub(crate) struct RopeRow {
+    /// The position the values are for.
+    pub(crate) position: usize,
+    cos: Vec<f32>,
+    sin: Vec<f32>,
+    layout: RopeLayout,
+    head_dim: usize,
+    rotary_dim: usize,
+}
+
+impl RopeRow {
+    /// Rotates in place the rows `x` of this position (rows of `head_dim` f32 one after
+    /// another, any number of heads): the values [`RotaryEmbedding::apply`] gives, by the
+    /// same expressions as candle's kernels.
+    pub(crate) fn rotate(&self, x: &mut [f32]) -> Result<()> {
+        let d = self.head_dim;
+        let half = self.rotary_dim / 2;
+        if d == 0 || x.len() % d != 0 || self.cos.len() < half || self.sin.len() < half {
+            return Err(Error::input(
+                "x",
+                format!("rows of head dim {d}"),
+                format!("{} values", x.len()),
+            ));
+        }
+        let (c, s) = (&self.cos[..half], &self.sin[..half]);
+        for row in x.chunks_exact_mut(d) {
+            for i in 0..half {
+                let (j, k) = match self.layout {
+                    RopeLayout::Half => (i, i + half),
+                    RopeLayout::Interleaved => (2 * i, 2 * i + 1),
+                };
+                let (u, v) = (row[j], row[k]);
+                row[j] = u * c[i] - v * s[i];
+                row[k] = u * s[i] + v * c[i];
+            }
+        }
+        Ok(())
+    }
+}
+
 /// Cos/sin tables `(positions, rotary_dim / 2)` in f32, computed once per length and grown
 /// on demand, and the rotation of queries and keys.
 #[derive(Debug, Clone)]
@@ -293,6 +335,23 @@ impl RotaryEmbedding {
         let sin = Tensor::from_vec(sin, (n, half), &self.device)?;
         *slot = Some((cos.clone(), sin.clone()));
         Ok((cos, sin))
+    }
+
+    /// The cos/sin values of `position` as plain f32 values, to rotate one position's rows
+    /// without tensors (a decode step's path: fetched once for all the layers).
+    pub(crate) fn row(&self, position: usize) -> Result<RopeRow> {
+        let (cos, sin) = self.tables(position + 1)?;
+        let row = |t: &Tensor| -> Result<Vec<f32>> {
+            Ok(t.narrow(0, position, 1)?.flatten_all()?.to_vec1()?)
+        };
+        Ok(RopeRow {
+            position,
+            cos: row(&cos)?,
+            sin: row(&sin)?,
+            layout: self.cfg.layout,
+            head_dim: self.cfg.head_dim,
+            rotary_dim: self.cfg.rotary_dim,
+        })
     }
 
     /// Rotates `x` for positions `offset..offset + seq`.

@@ -376,6 +376,40 @@ impl QuantWeight {
         y.map(|y| output_like(x, y, i)).transpose()
     }
 
+    /// `y = x W_p^T` for one f32 row `x` on the CPU and the weights `parts` (of one input
+    /// width) stacked along the outputs, into `y` (their rows together): the values
+    /// [`QuantWeight::forward`] gives for that row, without tensors (a decode step's path).
+    pub(crate) fn row_product(parts: &[&Self], x: &[f32], y: &mut [f32]) -> Result<()> {
+        let data = parts
+            .iter()
+            .map(|p| {
+                if p.cols != x.len() {
+                    return Err(Error::input(
+                        "x",
+                        format!("{} values for `{}`", p.cols, p.name),
+                        format!("{}", x.len()),
+                    ));
+                }
+                Ok((p.ty, p.data()?))
+            })
+            .collect::<Result<Vec<_>>>()?;
+        quant_gemv_parts_rows(&data, x, x.len(), y)
+    }
+
+    /// `y = silu(x W_g^T) * (x W_u^T)` for one f32 row `x` on the CPU: the values
+    /// [`QuantWeight::forward_gated`] gives for that row, without tensors.
+    pub(crate) fn row_gated(gate: &Self, up: &Self, x: &[f32], y: &mut [f32]) -> Result<()> {
+        if gate.cols != x.len() || up.cols != x.len() {
+            return Err(Error::input(
+                "x",
+                format!("{} values for `{}`", gate.cols, gate.name),
+                format!("{}", x.len()),
+            ));
+        }
+        let (gd, ud) = ((gate.ty, gate.data()?), (up.ty, up.data()?));
+        quant_gemv_gated_rows(gd, ud, x, x.len(), y)
+    }
+
     /// `x W_p^T` for the weights `parts` (of one input width) stacked along the outputs,
     /// `(..., sum of their rows)`, for f32 rows on the CPU, as one product
     /// ([`stacked_values`]); `Ok(None)` elsewhere (each part's [`QuantWeight::forward`] then).

@@ -55,14 +55,37 @@ impl<'a, T> Rows<'a, T> {
 /// - `q`: `(batch, heads, 1, d_k)`, `k`: `(batch, kv_heads, seq_k, d_k)`, `v`: `(batch,
 ///   kv_heads, seq_k, d_v)`
 pub(crate) fn attention(q: &Tensor, k: &Tensor, v: &Tensor, scale: f64) -> Result<Option<Tensor>> {
-    let (b, h, sq, dk) = q.dims4()?;
-    let (_, kvh, sk, _) = k.dims4()?;
+    let (b, h, sq, _) = q.dims4()?;
     let (_, _, _, dv) = v.dims4()?;
-    let stored = matches!(k.dtype(), DType::F16 | DType::BF16 | DType::F32);
-    if sq != 1 || sk == 0 || !stored || v.dtype() != k.dtype() || !k.device().is_cpu() {
+    if sq != 1 {
         return Ok(None);
     }
     let qs: Vec<f32> = q.to_dtype(DType::F32)?.flatten_all()?.to_vec1()?; // (b, h, dk)
+    let Some(ctx) = attention_rows(&qs, h, k, v, scale)? else {
+        return Ok(None);
+    };
+    let out = Tensor::from_vec(ctx, (b, h, 1, dv), &Device::Cpu)?.to_dtype(v.dtype())?;
+    Ok(Some(out))
+}
+
+/// [`attention`] for the query rows `qs` `(batch, heads, d_k)` as f32 values: the context
+/// `(batch, heads, d_v)` as f32 values, `None` where [`attention`] gives `None`. K and V
+/// are checked against `qs` here (a decode step's path calls this without tensors).
+pub(crate) fn attention_rows(
+    qs: &[f32],
+    h: usize,
+    k: &Tensor,
+    v: &Tensor,
+    scale: f64,
+) -> Result<Option<Vec<f32>>> {
+    let (b, kvh, sk, dk) = k.dims4()?;
+    let (bv, kvh_v, sk_v, dv) = v.dims4()?;
+    let stored = matches!(k.dtype(), DType::F16 | DType::BF16 | DType::F32);
+    let fits =
+        (bv, kvh_v, sk_v) == (b, kvh, sk) && kvh > 0 && h % kvh == 0 && qs.len() == b * h * dk;
+    if !fits || sk == 0 || !stored || v.dtype() != k.dtype() || !k.device().is_cpu() {
+        return Ok(None);
+    }
     let mut ctx = vec![0f32; b * h * dv];
     {
         let (kg, kl) = k.storage_and_layout();
@@ -96,8 +119,7 @@ pub(crate) fn attention(q: &Tensor, k: &Tensor, v: &Tensor, scale: f64) -> Resul
             _ => return Ok(None),
         }
     }
-    let out = Tensor::from_vec(ctx, (b, h, 1, dv), &Device::Cpu)?.to_dtype(v.dtype())?;
-    Ok(Some(out))
+    Ok(Some(ctx))
 }
 
 /// One task per query head: `s = scale log2(e) K q`, `p = 2^(s - max s)`, context
