@@ -537,8 +537,6 @@ impl LlamaModel {
             Proj::Quant(q) => Embed::Quant(q.clone()),
             Proj::Dense(l) => Embed::Dense(Embedding::new(l.weight().clone(), d)),
         };
-        let heads = cfg.num_attention_heads;
-        let kv_heads = cfg.num_key_value_heads.unwrap_or(heads);
         let mut layers = Vec::with_capacity(cfg.num_hidden_layers);
         for i in 0..cfg.num_hidden_layers {
             let l = m.pp(format!("layers.{i}"));

@@ -108,13 +108,13 @@ pub(crate) fn attention_rows(
         let (kp, vp) = (at((ko, ksb, ksh), dk), at((vo, vsb, vsh), dv));
         match (&*kg, &*vg) {
             (Storage::Cpu(CpuStorage::BF16(kd)), Storage::Cpu(CpuStorage::BF16(vd))) => {
-                run(&qs, kp.of(kd), vp.of(vd), sizes, scale, &mut ctx)?
+                run(qs, kp.of(kd), vp.of(vd), sizes, scale, &mut ctx)?
             }
             (Storage::Cpu(CpuStorage::F16(kd)), Storage::Cpu(CpuStorage::F16(vd))) => {
-                run(&qs, kp.of(kd), vp.of(vd), sizes, scale, &mut ctx)?
+                run(qs, kp.of(kd), vp.of(vd), sizes, scale, &mut ctx)?
             }
             (Storage::Cpu(CpuStorage::F32(kd)), Storage::Cpu(CpuStorage::F32(vd))) => {
-                run(&qs, kp.of(kd), vp.of(vd), sizes, scale, &mut ctx)?
+                run(qs, kp.of(kd), vp.of(vd), sizes, scale, &mut ctx)?
             }
             _ => return Ok(None),
         }
