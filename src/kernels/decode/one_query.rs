@@ -78,6 +78,19 @@ pub(crate) fn attention_rows(
     v: &Tensor,
     scale: f64,
 ) -> Result<Option<Vec<f32>>> {
+    attention_rows_in(qs, h, k, v, scale, None)
+}
+
+/// [`attention_rows`] with the keys of each head in about `runs` runs (else
+/// [`runs_for`]'s).
+fn attention_rows_in(
+    qs: &[f32],
+    h: usize,
+    k: &Tensor,
+    v: &Tensor,
+    scale: f64,
+    runs: Option<usize>,
+) -> Result<Option<Vec<f32>>> {
     let (b, kvh, sk, dk) = k.dims4()?;
     let (bv, kvh_v, sk_v, dv) = v.dims4()?;
     let stored = matches!(k.dtype(), DType::F16 | DType::BF16 | DType::F32);
@@ -98,6 +111,7 @@ pub(crate) fn attention_rows(
             return Ok(None);
         };
         let sizes = (h, kvh, sk, dk, dv);
+        let runs = runs.unwrap_or_else(|| runs_for(b * kvh, sk));
         let at = |(offset, sb, sh), width| Place {
             offset,
             sb,
@@ -108,13 +122,13 @@ pub(crate) fn attention_rows(
         let (kp, vp) = (at((ko, ksb, ksh), dk), at((vo, vsb, vsh), dv));
         match (&*kg, &*vg) {
             (Storage::Cpu(CpuStorage::BF16(kd)), Storage::Cpu(CpuStorage::BF16(vd))) => {
-                run(qs, kp.of(kd), vp.of(vd), sizes, scale, &mut ctx)?
+                run(qs, kp.of(kd), vp.of(vd), sizes, (scale, runs), &mut ctx)?
             }
             (Storage::Cpu(CpuStorage::F16(kd)), Storage::Cpu(CpuStorage::F16(vd))) => {
-                run(qs, kp.of(kd), vp.of(vd), sizes, scale, &mut ctx)?
+                run(qs, kp.of(kd), vp.of(vd), sizes, (scale, runs), &mut ctx)?
             }
             (Storage::Cpu(CpuStorage::F32(kd)), Storage::Cpu(CpuStorage::F32(vd))) => {
-                run(qs, kp.of(kd), vp.of(vd), sizes, scale, &mut ctx)?
+                run(qs, kp.of(kd), vp.of(vd), sizes, (scale, runs), &mut ctx)?
             }
             _ => return Ok(None),
         }
@@ -122,41 +136,108 @@ pub(crate) fn attention_rows(
     Ok(Some(ctx))
 }
 
-/// One task per query head: `s = scale log2(e) K q`, `p = 2^(s - max s)`, context
-/// `p V / sum p`.
+/// Keys a task takes at least.
+const MIN_KEYS: usize = 16;
+
+/// Runs of keys per key/value head for `heads` of them (batch x kv heads) and `sk` keys: two
+/// tasks a thread in all, each of at least [`MIN_KEYS`] keys.
+fn runs_for(heads: usize, sk: usize) -> usize {
+    let threads = rayon::current_num_threads().max(1);
+    (2 * threads)
+        .div_ceil(heads.max(1))
+        .clamp(1, sk.div_ceil(MIN_KEYS).max(1))
+}
+
+/// Tasks of (batch, key/value head, run of keys; about `runs` runs a head): each reads its
+/// keys and values once for all the query heads of its group (`s = scale log2(e) K q`, `p =
+/// 2^(s - max s)`, `o = p V`, kept with `max s` and `sum p`); a head's runs are merged after
+/// (weights `2^(m_c - m)`), the context `o / sum p`. One run is the one-pass softmax as it
+/// was per head; reading the keys once for the group's queries saved ~1% of a SmolLM2 decode
+/// step at 240 tokens, 3% at 800 (see docs/performance.md).
 fn run<T: Widen>(
     q: &[f32],
     k: Rows<'_, T>,
     v: Rows<'_, T>,
     (h, kvh, sk, dk, dv): (usize, usize, usize, usize, usize),
-    scale: f64,
+    (scale, runs): (f64, usize),
     ctx: &mut [f32],
 ) -> Result<()> {
+    let b = q.len() / (h * dk).max(1);
     let group = h / kvh.max(1);
     let log2_scale = (scale * std::f64::consts::LOG2_E) as f32;
-    crate::kernels::decode::keep_warm::run(|| {
-        ctx.par_chunks_mut(dv).enumerate().try_for_each(|(i, out)| {
-            let (bi, hi) = (i / h, i % h);
-            let g = hi / group.max(1);
-            let (kh, vh) = (k.head(bi, g)?, v.head(bi, g)?);
-            let qr: Vec<f32> = q[i * dk..(i + 1) * dk]
-                .iter()
-                .map(|x| x * log2_scale)
-                .collect();
-            with_scratch(sk, |s| {
-                dot_rows(kh, &qr, s); // (sk,) base-2 scores
+    let heads = b * kvh;
+    let run_len = sk.div_ceil(runs.clamp(1, sk.max(1)));
+    let runs = sk.div_ceil(run_len.max(1));
+    // Per task, per query head of the group: `dv` values of `o`, then `max s` and `sum p`.
+    let part = dv + 2;
+    let mut parts = vec![0f32; heads * runs * group * part];
+    let work = |(t, out): (usize, &mut [f32])| -> Result<()> {
+        let (head, c) = (t / runs, t % runs);
+        let (bi, g) = (head / kvh, head % kvh);
+        let (kh, vh) = (k.head(bi, g)?, v.head(bi, g)?);
+        let first = c * run_len;
+        let n = run_len.min(sk - first);
+        let (kr, vr) = (
+            &kh[first * dk..(first + n) * dk],
+            &vh[first * dv..(first + n) * dv],
+        );
+        with_scratch(n + dk, |buf| {
+            let (s, qr) = buf.split_at_mut(n);
+            for (j, o) in out.chunks_mut(part).enumerate() {
+                let i = bi * h + g * group + j;
+                for (d, x) in qr.iter_mut().zip(&q[i * dk..(i + 1) * dk]) {
+                    *d = x * log2_scale;
+                }
+                dot_rows(kr, qr, s); // (n,) base-2 scores
                 let m = row_max(s);
                 let sum = exp2_shifted_sum(s, m);
-                out.fill(0.0);
-                add_rows(vh, s, out);
-                let inv = 1.0 / sum;
-                for o in out.iter_mut() {
-                    *o *= inv;
-                }
-                Ok(())
-            })
+                let (o, stats) = o.split_at_mut(dv);
+                o.fill(0.0);
+                add_rows(vr, s, o);
+                stats[0] = m;
+                stats[1] = sum;
+            }
+            Ok(())
         })
-    })
+    };
+    // Small calls on this thread: a hand-over to the pool costs more than they do.
+    if h * sk * (dk + dv) < 1 << 15 {
+        parts
+            .chunks_mut(group * part)
+            .enumerate()
+            .try_for_each(work)?;
+    } else {
+        crate::kernels::decode::keep_warm::run(|| {
+            parts
+                .par_chunks_mut(group * part)
+                .enumerate()
+                .try_for_each(work)
+        })?;
+    }
+    // Each query head's runs merged: `o = sum_c 2^(m_c - m) o_c`, `l` likewise.
+    for (i, out) in ctx.chunks_mut(dv).enumerate() {
+        let (bi, hi) = (i / h, i % h);
+        let (g, j) = (hi / group.max(1), hi % group.max(1));
+        let at = |c: usize| ((bi * kvh + g) * runs + c) * group * part + j * part;
+        let m = (0..runs)
+            .map(|c| parts[at(c) + dv])
+            .fold(f32::NEG_INFINITY, f32::max);
+        out.fill(0.0);
+        let mut l = 0f32;
+        for c in 0..runs {
+            let p = &parts[at(c)..at(c) + part];
+            let w = (p[dv] - m).exp2();
+            l += w * p[dv + 1];
+            for (o, x) in out.iter_mut().zip(&p[..dv]) {
+                *o += w * x;
+            }
+        }
+        let inv = 1.0 / l;
+        for o in out.iter_mut() {
+            *o *= inv;
+        }
+    }
+    Ok(())
 }
 
 #[cfg(test)]
@@ -212,6 +293,19 @@ mod tests {
         let got: Vec<f32> = got.flatten_all()?.to_vec1()?;
         for (g, w) in got.iter().zip(&want) {
             assert!((g - w).abs() <= 1e-5 * (1.0 + w.abs()), "f32: {g} vs {w}");
+        }
+        // The keys of each head in runs merged after: the same values within f32 rounding,
+        // for any number of runs (up to one key each, and more runs than keys).
+        let qs: Vec<f32> = q.flatten_all()?.to_vec1()?;
+        for runs in [1, 2, 3, 7, 29, 40] {
+            let got = attention_rows_in(&qs, h, &k, &v, scale, Some(runs))?
+                .ok_or_else(|| Error::Kernel("not taken".into()))?;
+            for (g, w) in got.iter().zip(&want) {
+                assert!(
+                    (g - w).abs() <= 1e-5 * (1.0 + w.abs()),
+                    "{runs} runs: {g} vs {w}"
+                );
+            }
         }
         // Several query rows, or a strided key layout, go to the tiled kernels.
         let q2 = Tensor::cat(&[&q, &q], 2)?;
