@@ -22,7 +22,12 @@ const TASKS_PER_THREAD: usize = 4;
 /// Outputs per task for `n` outputs: `n / (threads * TASKS_PER_THREAD)` rounded up to a
 /// multiple of `align`, between `align` and `most`.
 pub(crate) fn task_len(n: usize, align: usize, most: usize) -> usize {
-    let tasks = rayon::current_num_threads().max(1) * TASKS_PER_THREAD;
+    task_len_per(n, align, most, TASKS_PER_THREAD)
+}
+
+/// [`task_len`] for `per_thread` tasks a thread.
+pub(crate) fn task_len_per(n: usize, align: usize, most: usize, per_thread: usize) -> usize {
+    let tasks = rayon::current_num_threads().max(1) * per_thread.max(1);
     n.div_ceil(tasks)
         .div_ceil(align)
         .max(1)

@@ -14,7 +14,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use rayon::prelude::*;
 
 use crate::error::{Error, Result};
-use crate::kernels::decode::gemv::{dot_rows, task_len, ROWS_PER_TASK};
+use crate::kernels::decode::gemv::{dot_rows, task_len_per, ROWS_PER_TASK};
 use crate::kernels::decode::keep_warm;
 use crate::kernels::decode::quant_gemv_int8_avx2;
 use crate::kernels::decode::quant_gemv_vnni::{self, QuantizedX};
@@ -49,6 +49,11 @@ pub fn int8_activations() -> bool {
 
 /// Rows dequantized together (the f32 kernel's group of rows).
 const GROUP: usize = 4;
+
+/// Tasks a thread per product: fewer, longer streams of blocks than the dense kernels' 4
+/// (2 and 3 measured 1-2% faster a decode step than 4 on SmolLM2, 1 slower; see
+/// docs/performance.md).
+const TASKS_PER_THREAD: usize = 2;
 
 /// The block types the SIMD row kernels take: those of real files' matrices (Q4_0, Q4_1,
 /// Q5_0, Q5_1, Q8_0, and the K-quants of Q4_K_M files).
@@ -346,7 +351,7 @@ pub(crate) fn quant_gemv_gated_rows(
     let int8 = int8_activations();
     let int8_kernel = |ty: QuantType| int8_row_kernel(ty, int8);
     let xq = quantized_for([gt, ut], xs, inp, int8);
-    let len = task_len(out, GROUP, ROWS_PER_TASK);
+    let len = task_len_per(out, GROUP, ROWS_PER_TASK, TASKS_PER_THREAD);
     let x = Rows { xs, nx };
     let work = |(c, ys): (usize, &mut [f32])| -> Result<()> {
         let j0 = c * len;
@@ -459,7 +464,12 @@ fn product(
     let mut rest = y;
     // One run length for all the parts, from their rows together: stacked Q, K and V make
     // ~9 tasks, not 8 for each (the K and V ones of 24 rows, ~9 KB each).
-    let len = task_len(parts.iter().map(|p| p.3).sum(), GROUP, ROWS_PER_TASK);
+    let len = task_len_per(
+        parts.iter().map(|p| p.3).sum(),
+        GROUP,
+        ROWS_PER_TASK,
+        TASKS_PER_THREAD,
+    );
     for &(ty, data, row_bytes, rows) in parts {
         let (mine, others) = rest.split_at_mut(rows * nx);
         rest = others;
