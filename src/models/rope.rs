@@ -146,9 +146,13 @@ impl RopeConfig {
     }
 
     pub(crate) fn validate(&self) -> Result<()> {
-        if self.head_dim == 0 || self.rotary_dim == 0 || self.rotary_dim > self.head_dim {
+        if self.head_dim == 0
+            || self.rotary_dim == 0
+            || self.rotary_dim > self.head_dim
+            || self.rotary_dim % 2 != 0
+        {
             return Err(Error::config(format!(
-                "rotary dims: {} of a head of {} (partial_rotary_factor in (0, 1])",
+                "rotary dims: {} of a head of {} (an even number, partial_rotary_factor in (0, 1])",
                 self.rotary_dim, self.head_dim
             )));
         }

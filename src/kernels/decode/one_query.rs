@@ -94,8 +94,13 @@ fn attention_rows_in(
     let (b, kvh, sk, dk) = k.dims4()?;
     let (bv, kvh_v, sk_v, dv) = v.dims4()?;
     let stored = matches!(k.dtype(), DType::F16 | DType::BF16 | DType::F32);
-    let fits =
-        (bv, kvh_v, sk_v) == (b, kvh, sk) && kvh > 0 && h % kvh == 0 && qs.len() == b * h * dk;
+    let fits = (bv, kvh_v, sk_v) == (b, kvh, sk)
+        && kvh > 0
+        && h % kvh == 0
+        && h > 0
+        && dk > 0
+        && dv > 0
+        && qs.len() == b * h * dk;
     if !fits || sk == 0 || !stored || v.dtype() != k.dtype() || !k.device().is_cpu() {
         return Ok(None);
     }
@@ -111,7 +116,7 @@ fn attention_rows_in(
             return Ok(None);
         };
         let sizes = (h, kvh, sk, dk, dv);
-        let runs = runs.unwrap_or_else(|| runs_for(b * kvh, sk));
+        let runs = runs.unwrap_or_else(|| runs_for(sk));
         let at = |(offset, sb, sh), width| Place {
             offset,
             sb,
@@ -136,16 +141,22 @@ fn attention_rows_in(
     Ok(Some(ctx))
 }
 
-/// Keys a task takes at least.
+/// Keys a run takes at least.
 const MIN_KEYS: usize = 16;
 
-/// Runs of keys per key/value head for `heads` of them (batch x kv heads) and `sk` keys: two
-/// tasks a thread in all, each of at least [`MIN_KEYS`] keys.
-fn runs_for(heads: usize, sk: usize) -> usize {
-    let threads = rayon::current_num_threads().max(1);
-    (2 * threads)
-        .div_ceil(heads.max(1))
-        .clamp(1, sk.div_ceil(MIN_KEYS).max(1))
+/// Keys a run takes at most beyond the first two runs.
+const RUN_KEYS: usize = 512;
+
+/// Runs of keys per key/value head for `sk` keys: one below `2 * MIN_KEYS`, else two (two
+/// tasks a thread for SmolLM2's 3 key/value heads on 2 threads), more past `2 * RUN_KEYS`.
+/// A function of `sk` alone, so that the sums, whose rounding the runs decide, are the same
+/// bits on any number of threads.
+fn runs_for(sk: usize) -> usize {
+    if sk < 2 * MIN_KEYS {
+        1
+    } else {
+        sk.div_ceil(RUN_KEYS).max(2)
+    }
 }
 
 /// Tasks of (batch, key/value head, run of keys; about `runs` runs a head): each reads its
@@ -201,7 +212,7 @@ fn run<T: Widen>(
         })
     };
     // Small calls on this thread: a hand-over to the pool costs more than they do.
-    if h * sk * (dk + dv) < 1 << 15 {
+    if b * h * sk * (dk + dv) < 1 << 15 {
         parts
             .chunks_mut(group * part)
             .enumerate()
@@ -304,6 +315,26 @@ mod tests {
                 assert!(
                     (g - w).abs() <= 1e-5 * (1.0 + w.abs()),
                     "{runs} runs: {g} vs {w}"
+                );
+            }
+        }
+        // The same bits on any number of threads: the runs depend on the keys alone.
+        for sk in [5, 40, 700, 1500] {
+            let k = Tensor::from_vec(vals(b * kvh * sk * dk, 17), (b, kvh, sk, dk), &dev)?;
+            let v = Tensor::from_vec(vals(b * kvh * sk * dv, 11), (b, kvh, sk, dv), &dev)?;
+            let on = |threads: usize| -> Result<Option<Vec<f32>>> {
+                let pool = rayon::ThreadPoolBuilder::new()
+                    .num_threads(threads)
+                    .build()
+                    .map_err(|e| Error::Kernel(e.to_string()))?;
+                pool.install(|| attention_rows(&qs, h, &k, &v, scale))
+            };
+            let one = on(1)?.ok_or_else(|| Error::Kernel("not taken".into()))?;
+            for threads in [2, 3, 8] {
+                assert_eq!(
+                    on(threads)?,
+                    Some(one.clone()),
+                    "{sk} keys, {threads} threads"
                 );
             }
         }
