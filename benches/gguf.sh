@@ -11,7 +11,9 @@
 # decode steps. Prefill: a 512-token prompt, tokens/s. Each tool keeps its best of ROUNDS.
 # Peak RSS: each process's. The bound: a decode step reads every weight once (the tied
 # output head reads the whole embedding), so read bandwidth (examples/bench.rs
-# --bandwidth) / the file's bytes bounds tokens/s.
+# --bandwidth) / the file's bytes bounds tokens/s. The bandwidth is measured again before
+# each file's rows (the median of 3 measurements: on a shared VM it moves between minutes)
+# and shown in the bound's cell.
 # Needs (the peer's side): CMAKE_ARGS="-DGGML_NATIVE=ON -DLLAVA_BUILD=OFF" pip install
 # llama-cpp-python==0.3.36; without it, our rows only.
 set -euo pipefail
@@ -28,7 +30,13 @@ fi
 [ ${#files[@]} -gt 0 ] || { echo "no .gguf files (scripts/fetch_smollm2_gguf.sh fetches one)" >&2; exit 2; }
 cargo build --release --example generate --example bench >&2
 BIN="${CARGO_TARGET_DIR:-target}/release/examples"
-BW="$("$BIN/bench" --bandwidth --json | "$PY" -c 'import json, sys; print(json.load(sys.stdin)["read_bandwidth_gb_s"])')"
+# The median of 3 read-bandwidth measurements, GB/s.
+bandwidth() {
+  for _ in 1 2 3; do
+    "$BIN/bench" --bandwidth --json | "$PY" -c 'import json, sys; print(json.load(sys.stdin)["read_bandwidth_gb_s"])'
+  done | sort -n | sed -n 2p
+}
+BW="$(bandwidth)"
 echo "read bandwidth ($THREADS threads): $BW GB/s; $(grep -m1 'model name' /proc/cpuinfo | cut -d: -f2)" >&2
 have_candle=0
 if [ "${CANDLE:-1}" = 1 ]; then
@@ -46,7 +54,8 @@ field() { "$PY" -c "import json, sys; print(json.loads(sys.stdin.read().strip().
 printf '| file | tool | decode tok/s | prefill-512 tok/s | peak RSS MB | decode / bound |\n|---|---|---|---|---|---|\n'
 for f in "${files[@]}"; do
   bytes="$(stat -c %s "$f")"
-  bound="$(awk -v bw="$BW" -v b="$bytes" 'BEGIN { printf "%.0f", bw * 1e9 / b }')"
+  BW="$(bandwidth)"
+  bound="$(awk -v bw="$BW" -v b="$bytes" 'BEGIN { printf "%.0f", bw * 1e9 / b }') ($BW GB/s)"
   best_dec=0; best_pre=0; rss=0
   for _ in $(seq "$ROUNDS"); do
     dec="$("$BIN/generate" --model "$f" --prompt "The capital of France is" --max-new-tokens 64 --ignore-eos --format json | field decode_tokens_per_s)"
