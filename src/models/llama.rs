@@ -617,7 +617,9 @@ impl LlamaModel {
     /// copied to the device as stored: CUDA dequantizes them there for each product (exact;
     /// candle's quantized kernels, which round the activations to 8 bits as llama.cpp does,
     /// with [`crate::set_int8_activations`]), Metal multiplies them with candle's quantized
-    /// kernels; float matrices and norms are loaded in `dtype`.
+    /// kernels; float matrices and norms are loaded in `dtype`. On the CPU, a decode step
+    /// (one token, batch 1) through layers whose matrices are all in blocks runs on plain
+    /// f32 buffers instead of tensor ops: the same values, bit for bit.
     pub fn from_gguf(path: impl AsRef<Path>, dtype: DType, device: &Device) -> Result<Self> {
         let file = GgufFile::open(path)?;
         let raw = gguf_layout::hf_config(&file)?;
