@@ -1,9 +1,9 @@
 //! A decode step of a LLaMA-family layer whose projections are GGUF blocks on the CPU: one
 //! token, batch 1, on plain f32 buffers. The tensor path makes ~25 candle ops a layer around
-//! its products (norms, reshapes, the rotary embedding, views, adds), ~12 us a layer at
+//! its products (norms, reshapes, the rotary embedding, views, adds), ~14 us a layer at
 //! SmolLM2's size, a tenth of a decode step (see docs/performance.md). This path calls the
-//! same kernels on the same values in the same order, so its hidden states are the tensor
-//! path's bit for bit (tested in `llama.rs`).
+//! same kernels on the same values in the same order, so its logits are the tensor path's
+//! bit for bit (tested below).
 
 use candle_core::{Device, Tensor};
 use candle_nn::RmsNorm;

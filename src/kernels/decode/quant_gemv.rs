@@ -463,7 +463,7 @@ fn product(
     let mut tasks = Vec::new();
     let mut rest = y;
     // One run length for all the parts, from their rows together: stacked Q, K and V make
-    // ~9 tasks, not 8 for each (the K and V ones of 24 rows, ~9 KB each).
+    // ~5 tasks on 2 threads, not 4 for each (the K and V ones of 48 rows, ~17 KB each).
     let len = task_len_per(
         parts.iter().map(|p| p.3).sum(),
         GROUP,
