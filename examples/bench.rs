@@ -214,10 +214,10 @@ fn main() -> anyhow::Result<()> {
             format!("FMA peak: {gflops:.1} GFLOP/s, {isa}"),
         ))
     } else if args.bandwidth {
-        let gbs = read_bandwidth();
+        let (gbs, isa) = read_bandwidth();
         Some((
-            serde_json::json!({"read_bandwidth_gb_s": round3(gbs)}),
-            format!("read bandwidth: {gbs:.1} GB/s"),
+            serde_json::json!({"read_bandwidth_gb_s": round3(gbs), "isa": isa}),
+            format!("read bandwidth: {gbs:.1} GB/s, {isa} loads"),
         ))
     } else {
         None
@@ -842,8 +842,10 @@ fn fma_peak() -> anyhow::Result<(f64, &'static str)> {
 
 /// GB/s of reading a 1 GiB buffer (written first, so every page is real memory: untouched
 /// pages all map one zero page and would measure the cache) with every rayon thread
-/// summing its share at once; best of 5 passes.
-fn read_bandwidth() -> f64 {
+/// summing its share at once, with the widest vector loads this CPU has (the kernels'
+/// own; the portable loop's 16-byte loads read 10-25% less on Zen 4, see
+/// docs/performance.md); best of 5 passes, and the loads' instruction set.
+fn read_bandwidth() -> (f64, &'static str) {
     use rayon::prelude::*;
     const BYTES: usize = 1 << 30;
     const CHUNK: usize = 1 << 16;
@@ -852,30 +854,96 @@ fn read_bandwidth() -> f64 {
         .enumerate()
         .for_each(|(i, c)| c.fill(i as f32));
     let per_thread = buf.len().div_ceil(rayon::current_num_threads());
+    let (isa, sum_part): (&'static str, fn(&[f32]) -> f32) = sum_kernel();
     let mut best = 0f64;
     for _ in 0..5 {
         let t = Instant::now();
-        let sum: f32 = buf
-            .par_chunks(per_thread)
-            .map(|part| {
-                // STREAMS streams at once, sixteen lanes each (kept in vector registers).
-                let q = part.len() / STREAMS / 16 * 16;
-                let mut acc = [[0f32; 16]; STREAMS];
-                for i in (0..q).step_by(16) {
-                    for (s, a) in acc.iter_mut().enumerate() {
-                        for (x, v) in a.iter_mut().zip(&part[s * q + i..s * q + i + 16]) {
-                            *x += v;
-                        }
-                    }
-                }
-                acc.iter().flatten().sum::<f32>() + part[STREAMS * q..].iter().sum::<f32>()
-            })
-            .sum();
+        let sum: f32 = buf.par_chunks(per_thread).map(sum_part).sum();
         let secs = t.elapsed().as_secs_f64();
         std::hint::black_box(sum);
         best = best.max(BYTES as f64 / secs / 1e9);
     }
-    best
+    (best, isa)
+}
+
+/// The widest summing loop for `--bandwidth`: AVX-512, else AVX2, else portable.
+fn sum_kernel() -> (&'static str, fn(&[f32]) -> f32) {
+    #[cfg(target_arch = "x86_64")]
+    {
+        // SAFETY (both): each loop is chosen only after the run-time check of its features.
+        if is_x86_feature_detected!("avx512f") {
+            return ("avx512f", |p| unsafe { sum_avx512(p) });
+        }
+        if is_x86_feature_detected!("avx2") {
+            return ("avx2", |p| unsafe { sum_avx2(p) });
+        }
+    }
+    ("portable", sum_portable)
+}
+
+/// `part`'s sum, read as [`STREAMS`] streams at once, sixteen lanes each (kept in vector
+/// registers by the compiler).
+fn sum_portable(part: &[f32]) -> f32 {
+    let q = part.len() / STREAMS / 16 * 16;
+    let mut acc = [[0f32; 16]; STREAMS];
+    for i in (0..q).step_by(16) {
+        for (s, a) in acc.iter_mut().enumerate() {
+            for (x, v) in a.iter_mut().zip(&part[s * q + i..s * q + i + 16]) {
+                *x += v;
+            }
+        }
+    }
+    acc.iter().flatten().sum::<f32>() + part[STREAMS * q..].iter().sum::<f32>()
+}
+
+/// [`sum_portable`] with 64-byte loads.
+///
+/// # Safety
+/// The CPU must have AVX-512F.
+#[allow(clippy::incompatible_msrv)]
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f")]
+unsafe fn sum_avx512(part: &[f32]) -> f32 {
+    use std::arch::x86_64::*;
+    let q = part.len() / STREAMS / 16 * 16;
+    let p = part.as_ptr();
+    let mut acc = [_mm512_setzero_ps(); STREAMS];
+    for i in (0..q).step_by(16) {
+        for (s, a) in acc.iter_mut().enumerate() {
+            // SAFETY: `s * q + i + 16 <= STREAMS * q <= part.len()`.
+            *a = _mm512_add_ps(*a, unsafe { _mm512_loadu_ps(p.add(s * q + i)) });
+        }
+    }
+    let total = acc
+        .iter()
+        .fold(_mm512_setzero_ps(), |t, &a| _mm512_add_ps(t, a));
+    _mm512_reduce_add_ps(total) + part[STREAMS * q..].iter().sum::<f32>()
+}
+
+/// [`sum_portable`] with 32-byte loads.
+///
+/// # Safety
+/// The CPU must have AVX2.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2")]
+unsafe fn sum_avx2(part: &[f32]) -> f32 {
+    use std::arch::x86_64::*;
+    let q = part.len() / STREAMS / 8 * 8;
+    let p = part.as_ptr();
+    let mut acc = [_mm256_setzero_ps(); STREAMS];
+    for i in (0..q).step_by(8) {
+        for (s, a) in acc.iter_mut().enumerate() {
+            // SAFETY: `s * q + i + 8 <= STREAMS * q <= part.len()`.
+            *a = _mm256_add_ps(*a, unsafe { _mm256_loadu_ps(p.add(s * q + i)) });
+        }
+    }
+    let mut lanes = [0f32; 8];
+    let total = acc
+        .iter()
+        .fold(_mm256_setzero_ps(), |t, &a| _mm256_add_ps(t, a));
+    // SAFETY: 8 floats to a local array.
+    unsafe { _mm256_storeu_ps(lanes.as_mut_ptr(), total) };
+    lanes.iter().sum::<f32>() + part[STREAMS * q..].iter().sum::<f32>()
 }
 
 /// Streams each thread reads at once in `--bandwidth`: one keeps too few reads in flight

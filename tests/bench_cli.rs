@@ -166,5 +166,8 @@ fn machine_limits_are_reported() -> anyhow::Result<()> {
     let bw = json_of(&["--bandwidth", "--json"])?;
     assert!(num(&bw, "read_bandwidth_gb_s")? > 0.0);
     assert!(num(&bw, "threads")? >= 1.0);
+    // The loads it read with: the widest this CPU has.
+    let isa = bw["isa"].as_str().unwrap_or_default();
+    assert!(["avx512f", "avx2", "portable"].contains(&isa), "isa {isa:?}");
     Ok(())
 }
