@@ -6,6 +6,7 @@ pub(crate) mod f16_kernels;
 pub(crate) mod gemv;
 pub(crate) mod gemv_avx512;
 pub(crate) mod keep_warm;
+pub(crate) mod lines;
 pub(crate) mod one_query;
 pub(crate) mod prefetch;
 pub(crate) mod quant_gemv;

@@ -22,9 +22,10 @@
 #[cfg(target_arch = "x86_64")]
 use std::arch::x86_64::*;
 
+#[cfg(target_arch = "x86_64")]
+use crate::kernels::decode::lines::Lines;
 #[cfg(any(target_arch = "x86_64", test))]
 use crate::kernels::decode::quant_gemv::ROW_KERNEL_TYPES;
-#[cfg(target_arch = "x86_64")]
 use crate::kernels::decode::quant_gemv_int8_avx2;
 use crate::kernels::quant::blocks::QuantType;
 
@@ -32,10 +33,11 @@ use crate::kernels::quant::blocks::QuantType;
 /// `dsum[i] = d[i] * sum_j qs[32 i + j]` (the offset and `m` terms' factor). `halves` holds
 /// the same bytes with each pair of blocks `(2p, 2p + 1)` as the 4- and 5-bit weights'
 /// nibbles come out of their bytes: the first 16 values of each, then the last 16 of each.
+/// Both on 64-byte lines ([`Lines`]), as the kernels read them.
 #[derive(Debug, Clone, Default)]
 pub(crate) struct QuantizedX {
-    pub(crate) qs: Vec<i8>,
-    halves: Vec<i8>,
+    pub(crate) qs: Lines,
+    halves: Lines,
     pub(crate) d: Vec<f32>,
     pub(crate) dsum: Vec<f32>,
     /// Per 4 values, `-32` times the sum of their bytes: Q6_K's offset term, where its
@@ -53,8 +55,8 @@ impl QuantizedX {
         }
         let n = x.len() / 32;
         let mut out = Self {
-            qs: vec![0; x.len()],
-            halves: Vec::new(),
+            qs: Lines::zeroed(x.len()),
+            halves: Lines::default(),
             d: vec![0.0; n],
             dsum: vec![0.0; n],
             offsets: Vec::new(),
