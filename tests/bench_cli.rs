@@ -168,6 +168,9 @@ fn machine_limits_are_reported() -> anyhow::Result<()> {
     assert!(num(&bw, "threads")? >= 1.0);
     // The loads it read with: the widest this CPU has.
     let isa = bw["isa"].as_str().unwrap_or_default();
-    assert!(["avx512f", "avx2", "portable"].contains(&isa), "isa {isa:?}");
+    assert!(
+        ["avx512f", "avx2", "portable"].contains(&isa),
+        "isa {isa:?}"
+    );
     Ok(())
 }
