@@ -22,10 +22,10 @@
 #[cfg(target_arch = "x86_64")]
 use std::arch::x86_64::*;
 
-#[cfg(target_arch = "x86_64")]
 use crate::kernels::decode::lines::Lines;
 #[cfg(any(target_arch = "x86_64", test))]
 use crate::kernels::decode::quant_gemv::ROW_KERNEL_TYPES;
+#[cfg(target_arch = "x86_64")]
 use crate::kernels::decode::quant_gemv_int8_avx2;
 use crate::kernels::quant::blocks::QuantType;
 
