@@ -531,7 +531,7 @@ impl Network {
         truncate: bool,
     ) -> anyhow::Result<Self> {
         let file = GgufFile::open(path)?;
-        let model = LlamaModel::from_gguf(path, dtype, device)?;
+        let model = LlamaModel::from_gguf_file(&file, dtype, device)?;
         let mut text = TextEncoder::from_gguf(&file)?;
         if let Some(p) = model.config().max_position_embeddings {
             text = text.with_max_positions(p)?.with_truncation(truncate)?;

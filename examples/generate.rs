@@ -181,10 +181,15 @@ fn run(args: Args) -> anyhow::Result<()> {
             args.dtype
         );
     }
+    // A GGUF file is opened (read) once, for its tokenizer and its model.
+    let gguf_file = if gguf {
+        Some(GgufFile::open(&args.model)?)
+    } else {
+        None
+    };
     // The tokenizer, or why there is none.
-    let (tokenizer, no_tokenizer): (Option<Tokenizer>, String) = if gguf {
-        let file = GgufFile::open(&args.model)?;
-        match TextEncoder::from_gguf(&file) {
+    let (tokenizer, no_tokenizer): (Option<Tokenizer>, String) = if let Some(file) = &gguf_file {
+        match TextEncoder::from_gguf(file) {
             Ok(t) => (Some(t.tokenizer().clone()), String::new()),
             Err(e) => (None, format!("a tokenizer ({e})")),
         }
@@ -218,8 +223,8 @@ fn run(args: Args) -> anyhow::Result<()> {
         bail!("--format text needs {no_tokenizer} (use --format json)");
     }
     let t0 = Instant::now();
-    let model = if gguf {
-        LlamaModel::from_gguf(&args.model, dtype, &device)?
+    let model = if let Some(file) = &gguf_file {
+        LlamaModel::from_gguf_file(file, dtype, &device)?
     } else {
         LlamaModel::from_dir(&args.model, dtype, &device)?
     };

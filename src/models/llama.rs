@@ -612,8 +612,8 @@ impl LlamaModel {
     /// Loads a LLaMA-family model (architectures `llama`, `mistral`, `qwen2`) from one GGUF
     /// file: the configuration from its metadata, llama.cpp's rotary row order undone, and
     /// the weights as transformers dequantizes them (`gguf_file=`). The matrices stored in
-    /// block types stay in their blocks: on the CPU read from the file's memory map by this
-    /// crate's kernels (the same values as the dequantized weight's), on CUDA and Metal
+    /// block types stay in their blocks: on the CPU read from the file's bytes in memory by
+    /// this crate's kernels (the same values as the dequantized weight's), on CUDA and Metal
     /// copied to the device as stored: CUDA dequantizes them there for each product (exact;
     /// candle's quantized kernels, which round the activations to 8 bits as llama.cpp does,
     /// with [`crate::set_int8_activations`]), Metal multiplies them with candle's quantized
@@ -621,12 +621,17 @@ impl LlamaModel {
     /// (one token, batch 1) through layers whose matrices are all in blocks runs on plain
     /// f32 buffers instead of tensor ops: the same values, bit for bit.
     pub fn from_gguf(path: impl AsRef<Path>, dtype: DType, device: &Device) -> Result<Self> {
-        let file = GgufFile::open(path)?;
-        let raw = gguf_layout::hf_config(&file)?;
-        let cfg = LlamaConfig::from_gguf(&file)?;
+        Self::from_gguf_file(&GgufFile::open(path)?, dtype, device)
+    }
+
+    /// [`LlamaModel::from_gguf`] from a file already open (its bytes shared, not read
+    /// again: open the file once for the model and its tokenizer).
+    pub fn from_gguf_file(file: &GgufFile, dtype: DType, device: &Device) -> Result<Self> {
+        let raw = gguf_layout::hf_config(file)?;
+        let cfg = LlamaConfig::from_gguf(file)?;
         let weights = gguf_layout::GgufLlamaWeights::new(file.clone(), &raw)?;
         let vb = VarBuilder::from_backend(Box::new(weights), dtype, device.clone());
-        Self::load_from(vb, &cfg, Some(&file))
+        Self::load_from(vb, &cfg, Some(file))
     }
 
     /// The configuration.

@@ -1,5 +1,5 @@
-//! GGUF files (llama.cpp's container): the metadata and the tensors, read from a memory map
-//! without trusting a single count, length, offset or size in the file. Every one is checked
+//! GGUF files (llama.cpp's container): the metadata and the tensors, read from the file's
+//! bytes in memory (on 2 MB pages where Linux has them, else mapped) without trusting a single count, length, offset or size in the file. Every one is checked
 //! against the bytes that are there before it is used, so a truncated or hostile file is an
 //! [`Error::InvalidGguf`] that says what and where, never a panic or an allocation the file
 //! merely asked for (candle's parser trusts the header's counts and offsets).
@@ -17,6 +17,7 @@ use candle_core::{Device, Tensor};
 
 use crate::error::{Error, Result};
 use crate::kernels::quant::blocks::{self, QuantType};
+use crate::weights::huge_pages::{self, HugeBytes};
 
 /// The default alignment of the data section and of each tensor.
 const DEFAULT_ALIGNMENT: usize = 32;
@@ -162,8 +163,9 @@ impl GgufTensorInfo {
     }
 }
 
-/// The file's bytes: mapped, or already in memory.
+/// The file's bytes: read onto huge pages, mapped, or already in memory.
 enum Bytes {
+    Huge(HugeBytes),
     Mapped(memmap2::Mmap),
     Owned(Vec<u8>),
 }
@@ -171,6 +173,7 @@ enum Bytes {
 impl Bytes {
     fn as_slice(&self) -> &[u8] {
         match self {
+            Bytes::Huge(h) => h.as_slice(),
             Bytes::Mapped(m) => m,
             Bytes::Owned(v) => v,
         }
@@ -206,20 +209,28 @@ impl std::fmt::Debug for GgufFile {
 }
 
 impl GgufFile {
-    /// Maps and checks the file at `path`.
+    /// Reads (or maps) and checks the file at `path`: on Linux with transparent huge pages,
+    /// its bytes are read once into memory on 2 MB pages, which a decode streams 5-13%
+    /// faster than the 4 KB pages of a map (see docs/performance.md); elsewhere the file is
+    /// mapped.
     pub fn open(path: impl AsRef<Path>) -> Result<Self> {
         let path = path.as_ref().to_path_buf();
         let io = |cause| Error::Io {
             path: path.clone(),
             cause,
         };
-        let file = std::fs::File::open(&path).map_err(io)?;
+        let mut file = std::fs::File::open(&path).map_err(io)?;
         let meta = file.metadata().map_err(io)?;
         if meta.is_dir() {
             return Err(invalid(&path, "it is a directory, not a file"));
         }
         if meta.len() == 0 {
             return Err(invalid(&path, "the file is empty"));
+        }
+        let len = usize::try_from(meta.len())
+            .map_err(|_| invalid(&path, "it is larger than this machine's address space"))?;
+        if let Some(bytes) = huge_pages::read(&mut file, len).map_err(io)? {
+            return Self::parse(Bytes::Huge(bytes), path);
         }
         // SAFETY: mapped read-only; like every mmap-based loader (llama.cpp's and candle's
         // included), this assumes no other process truncates the file while it is mapped.
