@@ -210,7 +210,7 @@ impl std::fmt::Debug for GgufFile {
 
 impl GgufFile {
     /// Reads (or maps) and checks the file at `path`: on Linux with transparent huge pages,
-    /// its bytes are read once into memory on 2 MB pages, which a decode streams 5-13%
+    /// its bytes are read once into memory on 2 MB pages, which a decode streams 5-18%
     /// faster than the 4 KB pages of a map (see docs/performance.md); elsewhere the file is
     /// mapped.
     pub fn open(path: impl AsRef<Path>) -> Result<Self> {

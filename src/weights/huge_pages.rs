@@ -1,7 +1,7 @@
 //! A file's bytes read into anonymous memory that Linux backs with 2 MB pages (transparent
 //! huge pages, asked for with `madvise`). A decode step streams every weight once, and on
 //! 4 KB pages each page's first lines wait for a TLB walk and a restarted hardware
-//! prefetcher; on 2 MB pages the 8-bit GGUF decode ran 9-13% faster and the exact one 5-7%
+//! prefetcher; on 2 MB pages the 8-bit GGUF decode ran 9-17% faster and the exact one 5-18%
 //! (see docs/performance.md). Where the kernel has no huge pages for us, the caller maps
 //! the file instead.
 
