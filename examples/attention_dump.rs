@@ -530,7 +530,7 @@ impl Network {
         device: &Device,
         truncate: bool,
     ) -> anyhow::Result<Self> {
-        let file = GgufFile::open(path)?;
+        let file = GgufFile::open_for(path, device)?;
         let model = LlamaModel::from_gguf_file(&file, dtype, device)?;
         let mut text = TextEncoder::from_gguf(&file)?;
         if let Some(p) = model.config().max_position_embeddings {

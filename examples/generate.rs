@@ -181,12 +181,15 @@ fn run(args: Args) -> anyhow::Result<()> {
             args.dtype
         );
     }
-    // A GGUF file is opened (read) once, for its tokenizer and its model.
+    // A GGUF file is opened (read) once, for its tokenizer and its model; the time it takes
+    // counts in the load's.
+    let t_open = Instant::now();
     let gguf_file = if gguf {
-        Some(GgufFile::open(&args.model)?)
+        Some(GgufFile::open_for(&args.model, &device)?)
     } else {
         None
     };
+    let open = t_open.elapsed();
     // The tokenizer, or why there is none.
     let (tokenizer, no_tokenizer): (Option<Tokenizer>, String) = if let Some(file) = &gguf_file {
         match TextEncoder::from_gguf(file) {
@@ -232,7 +235,7 @@ fn run(args: Args) -> anyhow::Result<()> {
     if let Some(&bad) = prompt_ids.iter().find(|&&i| i as usize >= vocab) {
         bail!("prompt id {bad} is outside the vocabulary of {vocab}");
     }
-    let load = t0.elapsed();
+    let load = t0.elapsed() + open;
     let eos = if args.ignore_eos {
         Vec::new()
     } else {

@@ -107,3 +107,22 @@ fn a_truncated_file_is_an_error_that_names_the_tensor() -> anyhow::Result<()> {
     assert!(dir.contains("directory"), "{dir}");
     Ok(())
 }
+
+/// Read onto huge pages (where Linux has them), mapped, or from bytes in memory: the same
+/// file, tensor for tensor.
+#[test]
+fn every_way_of_opening_gives_the_same_bytes() -> anyhow::Result<()> {
+    let path = repo_path("tests/fixtures/gguf/types.gguf");
+    let opened = GgufFile::open(&path)?;
+    let mapped = GgufFile::open_mapped(&path)?;
+    let for_cpu = GgufFile::open_for(&path, &Device::Cpu)?;
+    let owned = GgufFile::from_bytes(std::fs::read(&path)?, &path)?;
+    assert!(!opened.tensors().is_empty());
+    for info in opened.tensors() {
+        let want = owned.tensor_data(&info.name)?;
+        for file in [&opened, &mapped, &for_cpu] {
+            assert_eq!(file.tensor_data(&info.name)?, want, "{}", info.name);
+        }
+    }
+    Ok(())
+}

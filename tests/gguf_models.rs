@@ -56,7 +56,7 @@ fn an_f32_gguf_file_is_the_safetensors_model_bit_for_bit() -> anyhow::Result<()>
         let from_dir = LlamaModel::from_dir(&dir, DType::F32, &Device::Cpu)?;
         assert_same(case, &from_gguf, &from_dir, &prompt_of(case)?, 0.0)?;
         // The configuration read from the metadata is the config.json's.
-        let cfg = LlamaConfig::from_gguf(&GgufFile::open(&gguf)?)?;
+        let cfg = LlamaConfig::from_gguf(&GgufFile::open_mapped(&gguf)?)?;
         let want = LlamaConfig::from_file(dir.join("config.json"))?;
         assert_eq!(
             (
@@ -266,7 +266,7 @@ fn llama3_rope_freqs_are_the_llama3_scaling() -> anyhow::Result<()> {
     let case = "llama3_rope";
     let gguf = repo_path(&format!("tests/fixtures/gguf/{case}.f32.gguf"));
     let dir = repo_path(&format!("tests/fixtures/decoders/{case}"));
-    let cfg = LlamaConfig::from_gguf(&GgufFile::open(&gguf)?)?;
+    let cfg = LlamaConfig::from_gguf(&GgufFile::open_mapped(&gguf)?)?;
     let want = LlamaConfig::from_file(dir.join("config.json"))?;
     assert!(matches!(
         cfg.rope.scaling,

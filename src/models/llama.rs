@@ -621,7 +621,7 @@ impl LlamaModel {
     /// (one token, batch 1) through layers whose matrices are all in blocks runs on plain
     /// f32 buffers instead of tensor ops: the same values, bit for bit.
     pub fn from_gguf(path: impl AsRef<Path>, dtype: DType, device: &Device) -> Result<Self> {
-        Self::from_gguf_file(&GgufFile::open(path)?, dtype, device)
+        Self::from_gguf_file(&GgufFile::open_for(path, device)?, dtype, device)
     }
 
     /// [`LlamaModel::from_gguf`] from a file already open (its bytes shared, not read

@@ -191,7 +191,7 @@ struct Inner {
     alignment: usize,
 }
 
-/// A GGUF file, opened and checked (cheap to clone: the map is shared).
+/// A GGUF file, opened and checked (cheap to clone: its bytes are shared).
 #[derive(Clone)]
 pub struct GgufFile {
     inner: Arc<Inner>,
@@ -211,10 +211,28 @@ impl std::fmt::Debug for GgufFile {
 impl GgufFile {
     /// Reads (or maps) and checks the file at `path`: on Linux with transparent huge pages,
     /// its bytes are read once into memory on 2 MB pages, which a decode streams 5-18%
-    /// faster than the 4 KB pages of a map (see docs/performance.md); elsewhere the file is
-    /// mapped.
+    /// faster than the 4 KB pages of a map (see docs/performance.md); elsewhere, or when the
+    /// file would take more than half the available memory, the file is mapped
+    /// ([`GgufFile::open_mapped`], also the choice for a model on a GPU or metadata alone).
     pub fn open(path: impl AsRef<Path>) -> Result<Self> {
-        let path = path.as_ref().to_path_buf();
+        Self::open_with(path.as_ref(), true)
+    }
+
+    /// Maps and checks the file at `path` (its pages read as they are touched, and dropped
+    /// by the kernel under memory pressure).
+    pub fn open_mapped(path: impl AsRef<Path>) -> Result<Self> {
+        Self::open_with(path.as_ref(), false)
+    }
+
+    /// The file at `path` opened for a model on `device`: [`GgufFile::open`] for the CPU,
+    /// which streams the bytes on every token, [`GgufFile::open_mapped`] for a GPU, which
+    /// copies them once.
+    pub fn open_for(path: impl AsRef<Path>, device: &Device) -> Result<Self> {
+        Self::open_with(path.as_ref(), device.is_cpu())
+    }
+
+    fn open_with(path: &Path, read: bool) -> Result<Self> {
+        let path = path.to_path_buf();
         let io = |cause| Error::Io {
             path: path.clone(),
             cause,
@@ -229,8 +247,10 @@ impl GgufFile {
         }
         let len = usize::try_from(meta.len())
             .map_err(|_| invalid(&path, "it is larger than this machine's address space"))?;
-        if let Some(bytes) = huge_pages::read(&mut file, len).map_err(io)? {
-            return Self::parse(Bytes::Huge(bytes), path);
+        if read {
+            if let Some(bytes) = huge_pages::read(&mut file, len).map_err(io)? {
+                return Self::parse(Bytes::Huge(bytes), path);
+            }
         }
         // SAFETY: mapped read-only; like every mmap-based loader (llama.cpp's and candle's
         // included), this assumes no other process truncates the file while it is mapped.

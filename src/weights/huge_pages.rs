@@ -2,8 +2,9 @@
 //! huge pages, asked for with `madvise`). A decode step streams every weight once, and on
 //! 4 KB pages each page's first lines wait for a TLB walk and a restarted hardware
 //! prefetcher; on 2 MB pages the 8-bit GGUF decode ran 9-17% faster and the exact one 5-18%
-//! (see docs/performance.md). Where the kernel has no huge pages for us, the caller maps
-//! the file instead.
+//! (see docs/performance.md). Where transparent huge pages are off, or the file would take
+//! more than half the memory available, the caller maps the file instead (a map's clean
+//! pages the kernel can drop; anonymous memory it cannot).
 
 use std::io::Read;
 
@@ -26,10 +27,11 @@ impl HugeBytes {
 }
 
 /// The first `len` bytes of `file` (from its current position) in huge-page memory:
-/// `Ok(None)` where transparent huge pages are off or not Linux's, so the caller maps the
-/// file instead; an error when reading fails.
+/// `Ok(None)` where transparent huge pages are off or not Linux's, or `len` is more than
+/// half the memory available, so the caller maps the file instead; an error when reading
+/// fails.
 pub(crate) fn read(file: &mut std::fs::File, len: usize) -> std::io::Result<Option<HugeBytes>> {
-    if !available() || len == 0 {
+    if !available() || len == 0 || !fits_in_memory(len, meminfo_available()) {
         return Ok(None);
     }
     // One page more than needed, so the bytes can start on a 2 MB boundary.
@@ -55,6 +57,29 @@ fn available() -> bool {
     cfg!(target_os = "linux")
         && std::fs::read_to_string("/sys/kernel/mm/transparent_hugepage/enabled")
             .is_ok_and(|mode| thp_allows_madvise(&mode))
+}
+
+/// Whether `len` bytes take at most half of `available` bytes (unknown: no).
+fn fits_in_memory(len: usize, available: Option<u64>) -> bool {
+    available.is_some_and(|a| (len as u64).saturating_mul(2) <= a)
+}
+
+/// `MemAvailable` from `/proc/meminfo`, in bytes.
+fn meminfo_available() -> Option<u64> {
+    let info = std::fs::read_to_string("/proc/meminfo").ok()?;
+    meminfo_field(&info, "MemAvailable:")
+}
+
+/// A `/proc/meminfo` field (`key` with its colon) in bytes (the file gives kB).
+fn meminfo_field(info: &str, key: &str) -> Option<u64> {
+    let kb: u64 = info
+        .lines()
+        .find_map(|l| l.strip_prefix(key))?
+        .split_whitespace()
+        .next()?
+        .parse()
+        .ok()?;
+    kb.checked_mul(1024)
 }
 
 /// Whether a `transparent_hugepage/enabled` setting (`always [madvise] never`: the chosen
@@ -85,6 +110,17 @@ mod tests {
         assert!(!thp_allows_madvise(""));
     }
 
+    /// Files of more than half the available memory are left to a map.
+    #[test]
+    fn reads_only_what_fits_in_memory() {
+        let info = "MemTotal:       24000000 kB\nMemAvailable:   1000 kB\nBuffers: 3 kB\n";
+        assert_eq!(meminfo_field(info, "MemAvailable:"), Some(1_024_000));
+        assert_eq!(meminfo_field(info, "Cached:"), None);
+        assert!(fits_in_memory(512_000, Some(1_024_000)));
+        assert!(!fits_in_memory(512_001, Some(1_024_000)));
+        assert!(!fits_in_memory(1, None));
+    }
+
     /// The bytes read are the file's, from a 2 MB boundary, whatever the length.
     #[test]
     fn reads_the_files_bytes() -> std::io::Result<()> {
@@ -100,12 +136,12 @@ mod tests {
                     assert_eq!(b.as_slice(), &data[..]);
                     assert_eq!(b.as_slice().as_ptr() as usize % HUGE_PAGE, 0);
                 }
-                None => assert!(!available()),
+                None => assert!(!available() || !fits_in_memory(len, meminfo_available())),
             }
         }
         // Asking for more than the file holds is an error, not a short read.
         let mut file = std::fs::File::open(dir.join("1.bin"))?;
-        if available() {
+        if available() && fits_in_memory(2, meminfo_available()) {
             assert!(read(&mut file, 2).is_err());
         }
         std::fs::remove_dir_all(&dir)

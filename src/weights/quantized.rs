@@ -28,7 +28,7 @@ use crate::weights::gguf_layout::unpermuted_order;
 /// Where a weight's blocks are.
 #[derive(Clone)]
 enum Blocks {
-    /// In the file's map, as stored: the range of the file's bytes (found once at load, not
+    /// In the file's bytes, as stored: their range (found once at load, not
     /// by name on every product).
     File(GgufFile, std::ops::Range<usize>),
     /// Rows reordered at load (llama.cpp's rotary order undone).

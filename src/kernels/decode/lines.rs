@@ -1,6 +1,7 @@
 //! Bytes on 64-byte-aligned lines: the 8-bit kernels read a quantized `x` 64 bytes at a
-//! time, and from a `Vec<i8>` (16-byte aligned) every such load split across two cache
-//! lines; aligned, the 8-bit decode was ~1% faster (see docs/performance.md).
+//! time, and from a `Vec<i8>` (aligned as the allocator chose, 16 bytes here) most such
+//! loads split across two cache lines; aligned, the 8-bit decode was ~1% faster (see
+//! docs/performance.md).
 
 use std::ops::{Deref, DerefMut};
 
