@@ -263,33 +263,33 @@ impl Embed {
 /// The attention projections of a GGUF file's layer under `vb` (`...self_attn`) kept in their
 /// blocks, llama.cpp's rotary row order undone (also as the decode step reads them, on the
 /// CPU); `None` when one of them is stored in a float type (the dense path loads those).
+///
+/// `stacked`: this layer's Q, K and V already in their rotary order
+/// ([`stacked_attention_inputs`]), else read and reordered here.
 fn quantized_attention(
     file: &GgufFile,
     vb: &VarBuilder,
     cfg: &LlamaConfig,
+    stacked: Option<[QuantWeight; 3]>,
 ) -> Result<Option<(LayerProjections, Option<StepAttention>)>> {
     let (d, heads) = (cfg.hidden_size, cfg.num_attention_heads);
     let kv_heads = cfg.num_key_value_heads.unwrap_or(heads);
     let hd = cfg.rope.head_dim;
-    let weight = |proj: &str, rows: usize, cols: usize| -> Result<Option<QuantWeight>> {
-        let hf = format!("{}.{proj}.weight", vb.prefix());
-        match gguf_layout::gguf_name(&hf) {
-            Some(name) => QuantWeight::from_gguf(file, &name, rows, cols),
-            None => Ok(None),
-        }
-    };
-    let (Some(q), Some(k), Some(v), Some(o)) = (
-        weight("q_proj", heads * hd, d)?,
-        weight("k_proj", kv_heads * hd, d)?,
-        weight("v_proj", kv_heads * hd, d)?,
-        weight("o_proj", d, heads * hd)?,
-    ) else {
+    let Some(o) = stored_weight(file, vb, "o_proj", d, heads * hd)? else {
         return Ok(None);
     };
-    let (q, k) = if gguf_layout::rows_permuted(file)? {
-        (q.unpermuted_rows(heads)?, k.unpermuted_rows(kv_heads)?)
-    } else {
-        (q, k)
+    let [q, k, v] = match stacked {
+        Some(qkv) => qkv,
+        None => {
+            let Some([q, k, v]) = stored_qkv(file, vb, cfg)? else {
+                return Ok(None);
+            };
+            if gguf_layout::rows_permuted(file)? {
+                [q.unpermuted_rows(heads)?, k.unpermuted_rows(kv_heads)?, v]
+            } else {
+                [q, k, v]
+            }
+        }
     };
     // On CUDA and Metal the blocks also go to the device (`QuantWeight::forward_on_device`).
     let device = vb.device();
@@ -326,6 +326,73 @@ fn quantized_attention(
     let projections =
         LayerProjections::quantized([q, k, v], qkv_bias, Some((o, o_bias)), heads, kv_heads)?;
     Ok(Some((projections, step)))
+}
+
+/// The matrix `proj` of the attention under `vb` as stored in `file`, when in blocks.
+fn stored_weight(
+    file: &GgufFile,
+    vb: &VarBuilder,
+    proj: &str,
+    rows: usize,
+    cols: usize,
+) -> Result<Option<QuantWeight>> {
+    let hf = format!("{}.{proj}.weight", vb.prefix());
+    match gguf_layout::gguf_name(&hf) {
+        Some(name) => QuantWeight::from_gguf(file, &name, rows, cols),
+        None => Ok(None),
+    }
+}
+
+/// Q, K and V of the attention under `vb` as stored (llama.cpp's row order), when all three
+/// are in blocks.
+fn stored_qkv(
+    file: &GgufFile,
+    vb: &VarBuilder,
+    cfg: &LlamaConfig,
+) -> Result<Option<[QuantWeight; 3]>> {
+    let (d, heads) = (cfg.hidden_size, cfg.num_attention_heads);
+    let kv = cfg.num_key_value_heads.unwrap_or(heads) * cfg.rope.head_dim;
+    Ok(
+        match (
+            stored_weight(file, vb, "q_proj", heads * cfg.rope.head_dim, d)?,
+            stored_weight(file, vb, "k_proj", kv, d)?,
+            stored_weight(file, vb, "v_proj", kv, d)?,
+        ) {
+            (Some(q), Some(k), Some(v)) => Some([q, k, v]),
+            _ => None,
+        },
+    )
+}
+
+/// Every layer's Q, K and V (llama.cpp's rotary order undone) in one buffer on 2 MB pages,
+/// each layer's three one after another ([`QuantWeight::stacked`]): a decode step reads them
+/// as one stream, and off the 4 KB pages the reordered copies had. `None` unless every
+/// layer's three are in blocks.
+fn stacked_attention_inputs(
+    file: &GgufFile,
+    model: &VarBuilder,
+    cfg: &LlamaConfig,
+) -> Result<Option<Vec<[QuantWeight; 3]>>> {
+    let heads = cfg.num_attention_heads;
+    let kv_heads = cfg.num_key_value_heads.unwrap_or(heads);
+    let permuted = gguf_layout::rows_permuted(file)?;
+    let mut groups = Vec::with_capacity(cfg.num_hidden_layers);
+    for i in 0..cfg.num_hidden_layers {
+        let vb = model.pp(format!("layers.{i}")).pp("self_attn");
+        let Some([q, k, v]) = stored_qkv(file, &vb, cfg)? else {
+            return Ok(None);
+        };
+        let order = |h: usize| permuted.then_some(h);
+        groups.push(vec![(q, order(heads)), (k, order(kv_heads)), (v, None)]);
+    }
+    QuantWeight::stacked(&groups)?
+        .into_iter()
+        .map(|g| {
+            <[QuantWeight; 3]>::try_from(g)
+                .map_err(|_| Error::Kernel("a stacked layer without its three parts".into()))
+        })
+        .collect::<Result<Vec<_>>>()
+        .map(Some)
 }
 
 /// A layer's attention as `cfg` describes it; sizes stated, so that every projection is
@@ -538,11 +605,18 @@ impl LlamaModel {
             Proj::Dense(l) => Embed::Dense(Embedding::new(l.weight().clone(), d)),
         };
         let mut layers = Vec::with_capacity(cfg.num_hidden_layers);
+        // On the CPU, every layer's Q, K and V in one buffer on 2 MB pages.
+        let mut stacked = match quant {
+            Some(file) if vb.device().is_cpu() => stacked_attention_inputs(file, &m, cfg)?,
+            _ => None,
+        }
+        .map(Vec::into_iter);
         for i in 0..cfg.num_hidden_layers {
             let l = m.pp(format!("layers.{i}"));
             let acfg = attention_config(cfg);
+            let qkv = stacked.as_mut().and_then(Iterator::next);
             let quantized = match quant {
-                Some(file) => quantized_attention(file, &l.pp("self_attn"), cfg)?,
+                Some(file) => quantized_attention(file, &l.pp("self_attn"), cfg, qkv)?,
                 None => None,
             };
             let (attn, step_attn) = match quantized {

@@ -24,6 +24,33 @@ impl HugeBytes {
     pub(crate) fn as_slice(&self) -> &[u8] {
         &self.map[self.start..self.start + self.len]
     }
+
+    /// The bytes, to fill.
+    pub(crate) fn as_mut_slice(&mut self) -> &mut [u8] {
+        &mut self.map[self.start..self.start + self.len]
+    }
+}
+
+/// `len` zero bytes, on huge pages where [`read`] would put a file of that length, else on
+/// ordinary anonymous pages.
+pub(crate) fn zeroed(len: usize) -> std::io::Result<HugeBytes> {
+    let huge = available() && len > 0 && fits_in_memory(len, meminfo_available());
+    let cap = if huge {
+        len.div_ceil(HUGE_PAGE)
+            .checked_add(1)
+            .and_then(|p| p.checked_mul(HUGE_PAGE))
+            .ok_or_else(|| std::io::Error::other("too large"))?
+    } else {
+        len.max(1)
+    };
+    let map = memmap2::MmapMut::map_anon(cap)?;
+    let start = if huge {
+        advise(&map);
+        (HUGE_PAGE - map.as_ptr() as usize % HUGE_PAGE) % HUGE_PAGE
+    } else {
+        0
+    };
+    Ok(HugeBytes { map, start, len })
 }
 
 /// The first `len` bytes of `file` (from its current position) in huge-page memory:
@@ -108,6 +135,25 @@ mod tests {
         assert!(thp_allows_madvise("[always] madvise never\n"));
         assert!(!thp_allows_madvise("always madvise [never]\n"));
         assert!(!thp_allows_madvise(""));
+    }
+
+    /// A zeroed buffer of the length asked, writable, on a 2 MB boundary where huge pages
+    /// are given.
+    #[test]
+    fn zeroed_buffers_are_writable() -> std::io::Result<()> {
+        for len in [0usize, 1, HUGE_PAGE + 3] {
+            let mut b = zeroed(len)?;
+            assert_eq!(b.as_slice().len(), len);
+            assert!(b.as_slice().iter().all(|&v| v == 0));
+            if let Some(last) = b.as_mut_slice().last_mut() {
+                *last = 9;
+            }
+            assert_eq!(b.as_slice().last(), (len > 0).then_some(&9));
+            if available() && len > 0 && fits_in_memory(len, meminfo_available()) {
+                assert_eq!(b.as_slice().as_ptr() as usize % HUGE_PAGE, 0);
+            }
+        }
+        Ok(())
     }
 
     /// Files of more than half the available memory are left to a map.

@@ -24,6 +24,14 @@ use crate::kernels::gemm::packed::{self, PackedWeight};
 use crate::kernels::quant::blocks::{self, QuantType};
 use crate::weights::gguf::GgufFile;
 use crate::weights::gguf_layout::unpermuted_order;
+use crate::weights::huge_pages::{self, HugeBytes};
+
+/// Rows of one type for a product: a weight's bytes, or a range of a stacked buffer (which
+/// the next part may extend).
+enum Run<'a> {
+    Bytes(&'a [u8]),
+    Stacked(&'a Arc<HugeBytes>, std::ops::Range<usize>),
+}
 
 /// Where a weight's blocks are.
 #[derive(Clone)]
@@ -33,6 +41,9 @@ enum Blocks {
     File(GgufFile, std::ops::Range<usize>),
     /// Rows reordered at load (llama.cpp's rotary order undone).
     Owned(Arc<Vec<u8>>),
+    /// A range of a buffer that several weights share (on 2 MB pages where Linux has
+    /// them): [`QuantWeight::stacked`].
+    Stacked(Arc<HugeBytes>, std::ops::Range<usize>),
 }
 
 /// Up to how many input rows are multiplied on the blocks as they are read (the row kernels,
@@ -202,7 +213,70 @@ impl QuantWeight {
                 Error::Kernel(format!("`{}`: its range is outside its file", self.name))
             }),
             Blocks::Owned(v) => Ok(v),
+            Blocks::Stacked(b, range) => b.as_slice().get(range.clone()).ok_or_else(|| {
+                Error::Kernel(format!("`{}`: its range is outside its buffer", self.name))
+            }),
         }
+    }
+
+    /// Groups of weights (each part with `Some(heads)` where llama.cpp's rotary row order
+    /// over `heads` heads is to be undone) copied into one buffer, on 2 MB pages where Linux
+    /// has them: each group's parts one after another, so that a product of a whole group
+    /// reads one stream ([`QuantWeight::row_product`] joins them). The same weights, in the
+    /// same order, reading from it.
+    pub(crate) fn stacked(groups: &[Vec<(Self, Option<usize>)>]) -> Result<Vec<Vec<Self>>> {
+        // Each group starts on a cache line.
+        let mut at = 0usize;
+        let mut places = Vec::with_capacity(groups.len());
+        for group in groups {
+            at = at.div_ceil(64) * 64;
+            let mut ranges = Vec::with_capacity(group.len());
+            for (w, _) in group {
+                let len = w.data()?.len();
+                ranges.push(at..at + len);
+                at += len;
+            }
+            places.push(ranges);
+        }
+        let mut buffer = huge_pages::zeroed(at).map_err(|e| {
+            Error::Kernel(format!(
+                "a buffer of {at} bytes for the stacked weights: {e}"
+            ))
+        })?;
+        for (group, ranges) in groups.iter().zip(&places) {
+            for ((w, heads), range) in group.iter().zip(ranges) {
+                let out = &mut buffer.as_mut_slice()[range.clone()];
+                let data = w.data()?;
+                match heads {
+                    Some(heads) => {
+                        let row = w.ty.bytes_of(w.cols).ok_or_else(|| {
+                            Error::Kernel(format!("`{}`: rows are not whole blocks", w.name))
+                        })?;
+                        let order = unpermuted_order(w.rows, *heads)?;
+                        for (dst, src) in out.chunks_exact_mut(row.max(1)).zip(order) {
+                            dst.copy_from_slice(&data[src * row..(src + 1) * row]);
+                        }
+                    }
+                    None => out.copy_from_slice(data),
+                }
+            }
+        }
+        let buffer = Arc::new(buffer);
+        Ok(groups
+            .iter()
+            .zip(places)
+            .map(|(group, ranges)| {
+                group
+                    .iter()
+                    .zip(ranges)
+                    .map(|((w, _), range)| Self {
+                        blocks: Blocks::Stacked(buffer.clone(), range),
+                        on_device: None,
+                        ..w.clone()
+                    })
+                    .collect()
+            })
+            .collect())
     }
 
     /// `(rows, cols)`.
@@ -380,17 +454,41 @@ impl QuantWeight {
     /// width) stacked along the outputs, into `y` (their rows together): the values
     /// [`QuantWeight::forward`] gives for that row, without tensors (a decode step's path).
     pub(crate) fn row_product(parts: &[&Self], x: &[f32], y: &mut [f32]) -> Result<()> {
-        let data = parts
-            .iter()
-            .map(|p| {
-                if p.cols != x.len() {
-                    return Err(Error::input(
-                        "x",
-                        format!("{} values for `{}`", p.cols, p.name),
-                        format!("{}", x.len()),
-                    ));
+        // Parts one after another in one stacked buffer, of one type, are one run of rows
+        // (one stream, split into tasks as one).
+        let mut runs: Vec<(QuantType, Run<'_>)> = Vec::with_capacity(parts.len());
+        for &p in parts {
+            if p.cols != x.len() {
+                return Err(Error::input(
+                    "x",
+                    format!("{} values for `{}`", p.cols, p.name),
+                    format!("{}", x.len()),
+                ));
+            }
+            if let (Some((ty, Run::Stacked(buf, range))), Blocks::Stacked(b, r)) =
+                (runs.last_mut(), &p.blocks)
+            {
+                if Arc::ptr_eq(buf, b) && range.end == r.start && *ty == p.ty {
+                    range.end = r.end;
+                    continue;
                 }
-                Ok((p.ty, p.data()?))
+            }
+            let run = match &p.blocks {
+                Blocks::Stacked(b, r) => Run::Stacked(b, r.clone()),
+                _ => Run::Bytes(p.data()?),
+            };
+            runs.push((p.ty, run));
+        }
+        let data = runs
+            .iter()
+            .map(|(ty, run)| {
+                let bytes = match run {
+                    Run::Bytes(b) => Some(*b),
+                    Run::Stacked(b, r) => b.as_slice().get(r.clone()),
+                };
+                bytes
+                    .map(|b| (*ty, b))
+                    .ok_or_else(|| Error::Kernel("a stacked range outside its buffer".into()))
             })
             .collect::<Result<Vec<_>>>()?;
         quant_gemv_parts_rows(&data, x, x.len(), y)
@@ -462,6 +560,75 @@ impl QuantWeight {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// Layers' Q, K and V copied into one buffer (`QuantWeight::stacked`, Q and K reordered
+    /// as llama.cpp's rotary rows): the same blocks as the weights reordered apart, and a
+    /// decode step's product over a layer's three (joined into one run) the same bits.
+    #[test]
+    fn weights_in_one_buffer_multiply_as_apart() -> Result<()> {
+        let cols = 256;
+        let part = |i: usize, ty: QuantType, rows: usize| -> Result<QuantWeight> {
+            let w = Tensor::from_vec(
+                crate::kernels::test_values(rows * cols, 60 + i),
+                (rows, cols),
+                &Device::Cpu,
+            )?;
+            Ok(QuantWeight {
+                blocks: Blocks::Owned(Arc::new(
+                    QTensor::quantize(&w, ty.candle_dtype())?.data()?.to_vec(),
+                )),
+                name: format!("part{i}"),
+                ty,
+                rows,
+                cols,
+                on_device: None,
+            })
+        };
+        // Two layers: Q and K reordered as llama.cpp's rotary rows (4 and 2 heads), V as is;
+        // the second layer's V of another type (Q4_K_M files mix them).
+        let layers = [
+            [
+                part(0, QuantType::Q4_1, 32)?,
+                part(1, QuantType::Q4_1, 16)?,
+                part(2, QuantType::Q4_1, 16)?,
+            ],
+            [
+                part(3, QuantType::Q5_0, 32)?,
+                part(4, QuantType::Q5_0, 16)?,
+                part(5, QuantType::Q8_0, 16)?,
+            ],
+        ];
+        let groups: Vec<Vec<(QuantWeight, Option<usize>)>> = layers
+            .iter()
+            .map(|[q, k, v]| {
+                vec![
+                    (q.clone(), Some(4)),
+                    (k.clone(), Some(2)),
+                    (v.clone(), None),
+                ]
+            })
+            .collect();
+        let stacked = QuantWeight::stacked(&groups)?;
+        let x = crate::kernels::test_values(cols, 9);
+        for ([q, k, v], s) in layers.iter().zip(&stacked) {
+            let apart = [q.unpermuted_rows(4)?, k.unpermuted_rows(2)?, v.clone()];
+            for (a, b) in apart.iter().zip(s) {
+                assert_eq!(a.data()?, b.data()?, "{}", a.name);
+                assert_eq!((a.ty, a.dims()), (b.ty, b.dims()));
+            }
+            let n = 64;
+            let (mut want, mut got) = (vec![0f32; n], vec![0f32; n]);
+            QuantWeight::row_product(&[&apart[0], &apart[1], &apart[2]], &x, &mut want)?;
+            QuantWeight::row_product(&[&s[0], &s[1], &s[2]], &x, &mut got)?;
+            assert!(
+                got.iter()
+                    .zip(&want)
+                    .all(|(a, b)| a.to_bits() == b.to_bits()),
+                "the stacked product differs"
+            );
+        }
+        Ok(())
+    }
 
     /// Weights of different types stacked along the outputs (row counts that are no multiple
     /// of a panel, so panels span two weights): the stacked product equals each weight's own
