@@ -843,7 +843,7 @@ fn fma_peak() -> anyhow::Result<(f64, &'static str)> {
 /// GB/s of reading a 1 GiB buffer (written first, so every page is real memory: untouched
 /// pages all map one zero page and would measure the cache) with every rayon thread
 /// summing its share at once, with the widest vector loads this CPU has (the kernels'
-/// own; the portable loop's 16-byte loads read 10-25% less on Zen 4, see
+/// own; the portable loop's 16-byte loads read 11-23% less on Zen 4, see
 /// docs/performance.md); best of 5 passes, and the loads' instruction set.
 fn read_bandwidth() -> (f64, &'static str) {
     use rayon::prelude::*;

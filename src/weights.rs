@@ -1,10 +1,10 @@
 //! Everything named after a file on disk: safetensors checkpoints with loud errors
 //! ([`checkpoint`]), the renaming of each checkpoint layout's tensors ([`layout`]),
 //! `config.json` as is ([`config`]), GGUF files with their metadata and quantized tensors
-//! ([`gguf`]) and a LLaMA-family file under the Hugging Face names ([`gguf_layout`]) with its tokenizer
-//! ([`gguf_tokenizer`]), a file's bytes on 2 MB pages ([`huge_pages`]), the form a loaded projection is kept in for the
-//! device that multiplies by it ([`stored`]), and a GGUF weight kept in its blocks
-//! ([`quantized`]).
+//! ([`gguf`]) and a LLaMA-family file under the Hugging Face names ([`gguf_layout`]) with
+//! its tokenizer ([`gguf_tokenizer`]), a file's bytes on 2 MB pages ([`huge_pages`]), the
+//! form a loaded projection is kept in for the device that multiplies by it ([`stored`]),
+//! and a GGUF weight kept in its blocks ([`quantized`]).
 
 pub(crate) mod checkpoint;
 pub(crate) mod config;

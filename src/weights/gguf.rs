@@ -1,6 +1,7 @@
 //! GGUF files (llama.cpp's container): the metadata and the tensors, read from the file's
-//! bytes in memory (on 2 MB pages where Linux has them, else mapped) without trusting a single count, length, offset or size in the file. Every one is checked
-//! against the bytes that are there before it is used, so a truncated or hostile file is an
+//! bytes in memory (on 2 MB pages where Linux has them, else mapped) without trusting a
+//! single count, length, offset or size in the file. Every one is checked against the bytes
+//! that are there before it is used, so a truncated or hostile file is an
 //! [`Error::InvalidGguf`] that says what and where, never a panic or an allocation the file
 //! merely asked for (candle's parser trusts the header's counts and offsets).
 //!

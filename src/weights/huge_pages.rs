@@ -34,23 +34,11 @@ impl HugeBytes {
 /// `len` zero bytes, on huge pages where [`read`] would put a file of that length, else on
 /// ordinary anonymous pages.
 pub(crate) fn zeroed(len: usize) -> std::io::Result<HugeBytes> {
-    let huge = available() && len > 0 && fits_in_memory(len, meminfo_available());
-    let cap = if huge {
-        len.div_ceil(HUGE_PAGE)
-            .checked_add(1)
-            .and_then(|p| p.checked_mul(HUGE_PAGE))
-            .ok_or_else(|| std::io::Error::other("too large"))?
-    } else {
-        len.max(1)
-    };
-    let map = memmap2::MmapMut::map_anon(cap)?;
-    let start = if huge {
-        advise(&map);
-        (HUGE_PAGE - map.as_ptr() as usize % HUGE_PAGE) % HUGE_PAGE
-    } else {
-        0
-    };
-    Ok(HugeBytes { map, start, len })
+    if let Some(bytes) = huge(len) {
+        return Ok(bytes);
+    }
+    let map = memmap2::MmapMut::map_anon(len.max(1))?;
+    Ok(HugeBytes { map, start: 0, len })
 }
 
 /// The first `len` bytes of `file` (from its current position) in huge-page memory:
@@ -58,24 +46,28 @@ pub(crate) fn zeroed(len: usize) -> std::io::Result<HugeBytes> {
 /// half the memory available, so the caller maps the file instead; an error when reading
 /// fails.
 pub(crate) fn read(file: &mut std::fs::File, len: usize) -> std::io::Result<Option<HugeBytes>> {
-    if !available() || len == 0 || !fits_in_memory(len, meminfo_available()) {
+    let Some(mut bytes) = huge(len) else {
         return Ok(None);
+    };
+    file.read_exact(bytes.as_mut_slice())?;
+    Ok(Some(bytes))
+}
+
+/// `len` zero bytes from a 2 MB boundary, advised for huge pages: `None` where they are off,
+/// `len` is 0 or more than half the memory available, or the memory cannot be had.
+fn huge(len: usize) -> Option<HugeBytes> {
+    if !available() || len == 0 || !fits_in_memory(len, meminfo_available()) {
+        return None;
     }
     // One page more than needed, so the bytes can start on a 2 MB boundary.
-    let Some(cap) = len
+    let cap = len
         .div_ceil(HUGE_PAGE)
-        .checked_add(1)
-        .and_then(|p| p.checked_mul(HUGE_PAGE))
-    else {
-        return Ok(None);
-    };
-    let Ok(mut map) = memmap2::MmapMut::map_anon(cap) else {
-        return Ok(None);
-    };
+        .checked_add(1)?
+        .checked_mul(HUGE_PAGE)?;
+    let map = memmap2::MmapMut::map_anon(cap).ok()?;
     advise(&map);
     let start = (HUGE_PAGE - map.as_ptr() as usize % HUGE_PAGE) % HUGE_PAGE;
-    file.read_exact(&mut map[start..start + len])?;
-    Ok(Some(HugeBytes { map, start, len }))
+    Some(HugeBytes { map, start, len })
 }
 
 /// Whether this kernel gives huge pages to memory advised for them: Linux with

@@ -246,18 +246,9 @@ impl QuantWeight {
         for (group, ranges) in groups.iter().zip(&places) {
             for ((w, heads), range) in group.iter().zip(ranges) {
                 let out = &mut buffer.as_mut_slice()[range.clone()];
-                let data = w.data()?;
                 match heads {
-                    Some(heads) => {
-                        let row = w.ty.bytes_of(w.cols).ok_or_else(|| {
-                            Error::Kernel(format!("`{}`: rows are not whole blocks", w.name))
-                        })?;
-                        let order = unpermuted_order(w.rows, *heads)?;
-                        for (dst, src) in out.chunks_exact_mut(row.max(1)).zip(order) {
-                            dst.copy_from_slice(&data[src * row..(src + 1) * row]);
-                        }
-                    }
-                    None => out.copy_from_slice(data),
+                    Some(heads) => w.unpermuted_into(*heads, out)?,
+                    None => out.copy_from_slice(w.data()?),
                 }
             }
         }
@@ -299,19 +290,30 @@ impl QuantWeight {
     /// The weight with llama.cpp's query/key row permutation undone
     /// ([`unpermuted_order`]), its blocks copied row by row.
     pub fn unpermuted_rows(&self, heads: usize) -> Result<Self> {
-        let row = self
-            .ty
-            .bytes_of(self.cols)
-            .ok_or_else(|| Error::Kernel(format!("`{}`: rows are not whole blocks", self.name)))?;
-        let data = self.data()?;
-        let mut out = Vec::with_capacity(data.len());
-        for src in unpermuted_order(self.rows, heads)? {
-            out.extend_from_slice(&data[src * row..(src + 1) * row]);
-        }
+        let mut out = vec![0u8; self.data()?.len()];
+        self.unpermuted_into(heads, &mut out)?;
         Ok(Self {
             blocks: Blocks::Owned(Arc::new(out)),
             ..self.clone()
         })
+    }
+
+    /// The blocks with llama.cpp's query/key row permutation undone, into `out` (the
+    /// weight's size).
+    fn unpermuted_into(&self, heads: usize, out: &mut [u8]) -> Result<()> {
+        let row = self
+            .ty
+            .bytes_of(self.cols)
+            .filter(|&r| r > 0)
+            .ok_or_else(|| Error::Kernel(format!("`{}`: rows are not whole blocks", self.name)))?;
+        let data = self.data()?;
+        for (dst, src) in out
+            .chunks_exact_mut(row)
+            .zip(unpermuted_order(self.rows, heads)?)
+        {
+            dst.copy_from_slice(&data[src * row..(src + 1) * row]);
+        }
+        Ok(())
     }
 
     /// The same weight with its blocks also on `device` (CUDA or Metal), for
