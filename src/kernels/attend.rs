@@ -11,7 +11,6 @@ pub(crate) mod problem;
 pub(crate) mod rows;
 pub(crate) mod tile_products;
 pub(crate) mod tiled;
-pub(crate) mod transpose;
 
 pub use rows::WeightsBlock;
 

@@ -1,6 +1,6 @@
 //! Matrix products on f32 slices: the micro-kernels (AVX-512, AVX2 + FMA, picked at run
 //! time), weights packed once into their panels, matrix views, and `x W^T + b` on the `gemm`
-//! crate for CPUs without either.
+//! crate for CPUs without either, and the transposed copy that packs rows into panels.
 
 pub(crate) mod aligned;
 pub(crate) mod depth_blocks;
@@ -11,6 +11,7 @@ pub(crate) mod microkernel;
 pub(crate) mod microkernel_avx2;
 pub(crate) mod packed;
 pub(crate) mod projection;
+pub(crate) mod transpose;
 pub(crate) mod weight_ref;
 
 pub(crate) use weight_ref::WeightRef;

@@ -11,6 +11,7 @@ use candle_nn::RmsNorm;
 use crate::attention::sdpa::{scaled_dot_product_attention, SdpaOptions};
 use crate::error::{Error, Result};
 use crate::kernels::decode::one_query;
+use crate::kernels::rms_norm::rms_norm_rows;
 use crate::models::kv_cache::KvCache;
 use crate::models::rope::{RopeRow, RotaryEmbedding};
 use crate::weights::quantized::QuantWeight;
@@ -57,12 +58,9 @@ impl Norm {
     /// `x / sqrt(mean(x^2) + eps) * w`: candle-nn's `rms_norm` CPU kernel's expressions, in
     /// its order (the sum of squares left to right in f32).
     fn apply(&self, x: &[f32]) -> Vec<f32> {
-        let sum2 = x.iter().map(|&v| v * v).sum::<f32>();
-        let m = (sum2 / x.len() as f32 + self.eps).sqrt();
-        x.iter()
-            .zip(&self.weight)
-            .map(|(&s, &a)| s / m * a)
-            .collect()
+        let mut out = vec![0f32; x.len()];
+        rms_norm_rows(x, &self.weight, self.eps, &mut out);
+        out
     }
 }
 

@@ -20,6 +20,7 @@ use crate::error::{Error, Result};
 use crate::kernels::decode::gemv::{one_row_gated, one_row_linear};
 use crate::kernels::decode::widen;
 use crate::kernels::pool::in_pool;
+use crate::kernels::rms_norm::rms_norm;
 use crate::models::decode_step::{DecodeStep, StepAttention};
 use crate::models::kv_cache::KvCache;
 use crate::models::rope::{RopeConfig, RopeLayout, RopeScaling, RotaryEmbedding};
@@ -488,7 +489,7 @@ impl DecoderLayer {
         let (_, t, _) = x.dims3()?;
         let offset = cache.len();
         // The attention runs in its weights' dtype; the rest of the layer in `x`'s.
-        let h = self.input_norm.forward(x)?.to_dtype(self.attn.dtype())?;
+        let h = rms_norm(&self.input_norm, x)?.to_dtype(self.attn.dtype())?;
         let (q, k, v) = self.attn.project_qkv(&h)?;
         let q = rope.apply(&q, offset)?; // (b, h, t, hd)
         let k = rope.apply(&k, offset)?; // (b, kvh, t, hd)
@@ -516,7 +517,7 @@ impl DecoderLayer {
         let out = scaled_dot_product_attention(&q, &k_all, &v_all, mask.as_ref(), opts)?;
         let attn = self.attn.merge_heads(&out.context)?.to_dtype(x.dtype())?; // context (b, h, t, vhd)
         let x = (x + attn)?;
-        let m = self.mlp.forward(&self.post_norm.forward(&x)?)?;
+        let m = self.mlp.forward(&rms_norm(&self.post_norm, &x)?)?;
         Ok(((x + m)?, out.weights))
     }
 }
@@ -790,7 +791,7 @@ impl LlamaModel {
         let mut x = self.embed.forward(ids)?.to_dtype(self.compute)?; // (b, t, hidden)
         if !weights {
             if let Some(out) = self.decode_step(&x, caches)? {
-                return Ok((self.norm.forward(&out)?, Vec::new()));
+                return Ok((rms_norm(&self.norm, &out)?, Vec::new()));
             }
         }
         let mut all = Vec::with_capacity(if weights { self.layers.len() } else { 0 });
@@ -801,7 +802,7 @@ impl LlamaModel {
                 all.push(w);
             }
         }
-        Ok((self.norm.forward(&x)?, all))
+        Ok((rms_norm(&self.norm, &x)?, all))
     }
 
     /// One token's hidden state `x` `(1, 1, hidden)` through every layer on the decode step's

@@ -16,12 +16,12 @@ use crate::error::{Error, Result};
 use crate::kernels::cpu_tensor::CpuF32;
 use crate::kernels::decode::gemv::output_like;
 use crate::kernels::decode::quant_gemv::{
-    int8_activations, quant_gemv_gated_rows, quant_gemv_parts_rows,
+    self, int8_activations, quant_gemv_gated_rows, quant_gemv_parts_rows,
 };
 use crate::kernels::gemm::int8_product;
 use crate::kernels::gemm::matrix::MatRef;
 use crate::kernels::gemm::packed::{self, PackedWeight};
-use crate::kernels::quant::blocks::{self, QuantType};
+use crate::kernels::quant::blocks::QuantType;
 use crate::weights::gguf::GgufFile;
 use crate::weights::gguf_layout::unpermuted_order;
 use crate::weights::huge_pages::{self, HugeBytes};
@@ -125,7 +125,7 @@ fn stacked_values(parts: &[&QuantWeight], xs: &[f32], rows: usize) -> Result<Opt
                     bytes
                         .get((lo - start) * rb..(hi - start) * rb)
                         .zip(out.get_mut((lo - first) * cols..(hi - first) * cols))
-                        .is_some_and(|(b, o)| blocks::dequantize(ty, b, o))
+                        .is_some_and(|(b, o)| quant_gemv::dequantize(ty, b, o))
                 });
                 if !ok {
                     return false;
@@ -278,7 +278,7 @@ impl QuantWeight {
     /// The weight dequantized, `(rows, cols)` f32.
     pub fn dequantize(&self, device: &Device) -> Result<Tensor> {
         let mut values = vec![0f32; self.rows * self.cols];
-        if !blocks::dequantize(self.ty, self.data()?, &mut values) {
+        if !quant_gemv::dequantize(self.ty, self.data()?, &mut values) {
             return Err(Error::Kernel(format!(
                 "`{}` does not dequantize",
                 self.name
@@ -546,7 +546,7 @@ impl QuantWeight {
                 ));
             }
             let src = &data[id * row_bytes..(id + 1) * row_bytes];
-            if !blocks::dequantize(self.ty, src, dst) {
+            if !quant_gemv::dequantize(self.ty, src, dst) {
                 return Err(Error::Kernel(format!(
                     "`{}` row {id} does not dequantize",
                     self.name

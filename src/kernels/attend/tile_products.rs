@@ -17,10 +17,10 @@ use rayon::prelude::*;
 
 use crate::error::{Error, Result};
 use crate::kernels::attend::problem::Problem;
-use crate::kernels::attend::transpose;
 use crate::kernels::gemm::matrix::{matmul, MatMut, MatRef, Threads};
 use crate::kernels::gemm::microkernel;
 use crate::kernels::gemm::microkernel::{panel_product, Start};
+use crate::kernels::gemm::transpose;
 use crate::kernels::scratch::{with_panel_scratch, CallBuffer};
 
 /// Keys per K panel; score tiles start at multiples of it.

@@ -92,6 +92,14 @@ pub(crate) mod kind {
     }
 }
 
+/// `bytes` (whole blocks of `ty`) dequantized into `out`: gguf-py's values, as
+/// [`blocks::dequantize`] makes them, unpacked 16 at a time in registers where the AVX-512
+/// row kernels take `ty` (the packed prompt products dequantize every weight on each call);
+/// `false`, writing nothing, when the sizes do not agree.
+pub(crate) fn dequantize(ty: QuantType, bytes: &[u8], out: &mut [f32]) -> bool {
+    quant_gemv_avx512::dequantize(ty, bytes, out) || blocks::dequantize(ty, bytes, out)
+}
+
 /// `(inputs a row of x, bytes a weight row)` when `rows` (whole rows of `ty`), `xs` (`r` rows
 /// of `x`) and `out` (row stride `ldo`, `r` values a weight row) fit together for the row
 /// kernels' `rows_dots`; `None` otherwise.
@@ -562,6 +570,42 @@ mod tests {
     use crate::kernels::quant::blocks::tests::ggml;
     use candle_core::quantized::QTensor;
     use candle_core::{Device, Tensor};
+
+    /// The vector dequantization gives the scalar one's values bit for bit, on blocks from
+    /// candle's quantizer and on arbitrary bytes (any scale, NaN as NaN); sizes that do not
+    /// agree write nothing.
+    #[test]
+    fn dequantize_equals_the_scalar_values() -> candle_core::Result<()> {
+        for ty in ROW_KERNEL_TYPES {
+            let (rows, cols) = (5, 768);
+            let quantized =
+                crate::kernels::quant::blocks::tests::quantized_bytes(ty, rows, cols, 4);
+            let mut state = 0x9E37_79B9_7F4A_7C15u64;
+            let arbitrary: Vec<u8> = (0..quantized.len())
+                .map(|_| {
+                    state ^= state << 13;
+                    state ^= state >> 7;
+                    state ^= state << 17;
+                    state as u8
+                })
+                .collect();
+            for bytes in [quantized, arbitrary] {
+                let (mut fast, mut slow) = (vec![0f32; rows * cols], vec![1f32; rows * cols]);
+                assert!(dequantize(ty, &bytes, &mut fast));
+                assert!(blocks::dequantize(ty, &bytes, &mut slow));
+                for (i, (a, b)) in fast.iter().zip(&slow).enumerate() {
+                    assert!(
+                        a.to_bits() == b.to_bits() || (a.is_nan() && b.is_nan()),
+                        "{ty} {i}: {a} {b}"
+                    );
+                }
+            }
+            let mut short = vec![7f32; 31];
+            assert!(!dequantize(ty, &[0u8; 4], &mut short));
+            assert!(short.iter().all(|&v| v == 7.0));
+        }
+        Ok(())
+    }
 
     /// Each row kernel's dot product (AVX-512, AVX2 + FMA + F16C) against the same weight
     /// dequantized (gguf-py's values), summed in f64: within f32 rounding of the sum of

@@ -127,6 +127,101 @@ unsafe fn rows_dots_avx512<const R: usize>(
     }
 }
 
+/// `bytes` (whole blocks of `ty`) dequantized into `out`, the same values as
+/// [`crate::kernels::quant::blocks::dequantize`] (each made as the row kernels make it, as
+/// gguf-py does), unpacked in registers 16 at a time; `false`, writing nothing, when this CPU
+/// or type has no kernel here or the sizes do not agree.
+pub(crate) fn dequantize(ty: QuantType, bytes: &[u8], out: &mut [f32]) -> bool {
+    if !supports(ty) || ty.bytes_of(out.len()) != Some(bytes.len()) {
+        return false;
+    }
+    #[cfg(target_arch = "x86_64")]
+    {
+        // SAFETY: AVX-512F checked by `supports`; `bytes` holds the whole blocks of `out`.
+        unsafe { dequantize_avx512(ty, bytes.as_ptr(), out) };
+        true
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    {
+        false
+    }
+}
+
+/// [`dequantize`] once checked.
+///
+/// # Safety
+/// AVX-512F; `b` points at the whole blocks of `ty` that `out` holds the values of.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f")]
+unsafe fn dequantize_avx512(ty: QuantType, b: *const u8, out: &mut [f32]) {
+    let o = out.as_mut_ptr();
+    let blocks = out.len() / ty.block_values();
+    let size = ty.block_bytes();
+    macro_rules! each_block {
+        ($k:ident) => {
+            for i in 0..blocks {
+                let (lo, hi) = block_values::<$k>(b.add(i * size));
+                _mm512_storeu_ps(o.add(32 * i), lo);
+                _mm512_storeu_ps(o.add(32 * i + 16), hi);
+            }
+        };
+    }
+    match ty {
+        QuantType::Q8_0 => each_block!(Q8_0),
+        QuantType::Q4_0 => each_block!(Q4_0),
+        QuantType::Q4_1 => each_block!(Q4_1),
+        QuantType::Q5_0 => {
+            for i in 0..blocks {
+                let (lo, hi) = q5_0_values(b.add(i * size));
+                _mm512_storeu_ps(o.add(32 * i), lo);
+                _mm512_storeu_ps(o.add(32 * i + 16), hi);
+            }
+        }
+        QuantType::Q5_1 => each_block!(Q5_1),
+        QuantType::Q4K => {
+            for i in 0..blocks {
+                q4_k_values(b.add(i * size), |at, v| {
+                    _mm512_storeu_ps(o.add(256 * i + at), v)
+                });
+            }
+        }
+        QuantType::Q6K => {
+            for i in 0..blocks {
+                q6_k_values(b.add(i * size), |at, v| {
+                    _mm512_storeu_ps(o.add(256 * i + at), v)
+                });
+            }
+        }
+        _ => {}
+    }
+}
+
+/// The 32 values `d * (q - 16)` of the Q5_0 block at `b` as gguf-py makes them, zeros'
+/// signs included (`d * 0` is `-0` for a negative `d`, where the row kernels' `d * (q - 16) +
+/// 16 d` gives `+0`): looked up by all five bits in the 32 products, each exact.
+#[cfg(target_arch = "x86_64")]
+#[inline]
+#[target_feature(enable = "avx512f")]
+unsafe fn q5_0_values(b: *const u8) -> (__m512, __m512) {
+    let bytes = _mm512_cvtepu8_epi32(_mm_loadu_si128(b.add(6) as *const __m128i));
+    let qh = u32::from_le_bytes([*b.add(2), *b.add(3), *b.add(4), *b.add(5)]);
+    let (nibble, sixteen) = (_mm512_set1_epi32(15), _mm512_set1_epi32(16));
+    let lo = _mm512_and_si512(bytes, nibble);
+    let hi = _mm512_srli_epi32::<4>(bytes);
+    let lo = _mm512_mask_or_epi32(lo, qh as u16, lo, sixteen);
+    let hi = _mm512_mask_or_epi32(hi, (qh >> 16) as u16, hi, sixteen);
+    let (d, _) = halves_at_ptr(b);
+    let iota = iota16();
+    let (t0, t1) = (
+        _mm512_mul_ps(d, _mm512_sub_ps(iota, _mm512_set1_ps(16.0))),
+        _mm512_mul_ps(d, iota),
+    );
+    (
+        _mm512_permutex2var_ps(t0, lo, t1),
+        _mm512_permutex2var_ps(t0, hi, t1),
+    )
+}
+
 /// Weight rows' sum vectors (one per row of `x`) gathered 16 rows at a time and written out
 /// reduced: `out[ldo j + r]` = the sum of row `j`'s vector `r`'s lanes.
 #[cfg(target_arch = "x86_64")]
@@ -226,102 +321,117 @@ unsafe fn sum16(v: &[__m512; 16]) -> __m512 {
     )
 }
 
-/// Q4_K rows: `{ f16 d; f16 dmin; u8 scales[12]; u8 qs[128] }` per 256 values; group `g`
-/// is `d * sc_g * q - dmin * m_g` over the low (even `g`) or high (odd) nibbles of
-/// `qs[32 (g / 2)..][..32]`. Each group looks its values up in a table of the 16 it can
-/// hold: `dl = d * sc_g` (11 by 6 significant bits) and `dl * q` (17 by 4) are exact in f32,
-/// so one fused `dl * q - ml` rounds as gguf-py's product then difference.
+/// Q4_K rows: `{ f16 d; f16 dmin; u8 scales[12]; u8 qs[128] }` per 256 values ([`q4_k_values`]).
 #[cfg(target_arch = "x86_64")]
 #[inline]
 #[target_feature(enable = "avx512f")]
 unsafe fn dot_q4_k<const R: usize>(row: &[u8], xp: *const f32, inp: usize) -> [[__m512; 4]; R] {
-    let bp = row.as_ptr();
     let mut acc = [[_mm512_setzero_ps(); 4]; R];
-    let iota = iota16();
-    // Lanes 0..8 pick `d`, lanes 8..16 `dmin`.
-    let d_then_dmin = _mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1);
     for blk in 0..inp / 256 {
-        let b = bp.add(blk * 144);
-        // Lanes 0..8: `dl` of the 8 groups (`d * sc`); lanes 8..16: their `ml`.
-        let dm = _mm512_castps128_ps512(halves_at(b));
-        let dm = _mm512_permutexvar_ps(d_then_dmin, dm);
-        let (sc, mins) = scales_mins_k4(&*(b.add(4) as *const [u8; 12]));
-        let sm = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_set_epi64x(mins as i64, sc as i64)));
-        let sm = _mm512_mul_ps(dm, sm);
-        for p in 0..4 {
-            let qs = b.add(16 + 32 * p) as *const __m128i;
-            let xg = xp.add(blk * 256 + 64 * p);
-            // Group 2p: the low nibbles; group 2p + 1: the high ones.
-            let lane = |i: usize| _mm512_permutexvar_ps(_mm512_set1_epi32(i as i32), sm);
-            let t0 = _mm512_fmsub_ps(lane(2 * p), iota, lane(8 + 2 * p));
-            let t1 = _mm512_fmsub_ps(lane(2 * p + 1), iota, lane(9 + 2 * p));
-            for h in 0..2 {
-                // Lane j: byte 16 h + j, its low nibble in group 2p, its high one in 2p + 1.
-                let bytes = _mm512_cvtepu8_epi32(_mm_loadu_si128(qs.add(h)));
-                let lo = _mm512_permutexvar_ps(bytes, t0);
-                let hi = _mm512_permutexvar_ps(_mm512_srli_epi32::<4>(bytes), t1);
-                for (r, a) in acc.iter_mut().enumerate() {
-                    let xr = xg.add(r * inp);
-                    a[h] = _mm512_fmadd_ps(lo, _mm512_loadu_ps(xr.add(16 * h)), a[h]);
-                    a[2 + h] = _mm512_fmadd_ps(hi, _mm512_loadu_ps(xr.add(32 + 16 * h)), a[2 + h]);
-                }
+        q4_k_values(row.as_ptr().add(blk * 144), |at, v| {
+            for (r, a) in acc.iter_mut().enumerate() {
+                let x = _mm512_loadu_ps(xp.add(r * inp + blk * 256 + at));
+                a[at / 16 % 4] = _mm512_fmadd_ps(v, x, a[at / 16 % 4]);
             }
-        }
+        });
     }
     acc
 }
 
-/// Q6_K rows: `{ u8 ql[128]; u8 qh[64]; i8 scales[16]; f16 d }` per 256 values; value
-/// `128 h + 32 t + l` is `(d * scales[8 h + 2 t + l / 16]) * (q - 32)` with the low four
-/// bits from `ql[64 h + 32 (t % 2) + l] >> 4 (t / 2)` and the high two from
-/// `qh[32 h + l] >> 2 t`.
+/// The 256 values of the Q4_K block at `b`, 16 at a time: `f(at, v)` for values `at..at +
+/// 16` (each `at` once, in an order the dot kernel's accumulators follow). Group `g` (32
+/// values) is `d * sc_g * q - dmin * m_g` over the low (even `g`) or high (odd) nibbles of
+/// `qs[32 (g / 2)..][..32]`. Each group looks its values up in a table of the 16 it can hold:
+/// `dl = d * sc_g` (11 by 6 significant bits) and `dl * q` (17 by 4) are exact in f32, so one
+/// fused `dl * q - ml` rounds as gguf-py's product then difference.
+#[cfg(target_arch = "x86_64")]
+#[inline]
+#[target_feature(enable = "avx512f")]
+unsafe fn q4_k_values(b: *const u8, mut f: impl FnMut(usize, __m512)) {
+    let iota = iota16();
+    // Lanes 0..8 pick `d`, lanes 8..16 `dmin`.
+    let d_then_dmin = _mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1);
+    // Lanes 0..8: `dl` of the 8 groups (`d * sc`); lanes 8..16: their `ml`.
+    let dm = _mm512_castps128_ps512(halves_at(b));
+    let dm = _mm512_permutexvar_ps(d_then_dmin, dm);
+    let (sc, mins) = scales_mins_k4(&*(b.add(4) as *const [u8; 12]));
+    let sm = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_set_epi64x(mins as i64, sc as i64)));
+    let sm = _mm512_mul_ps(dm, sm);
+    for p in 0..4 {
+        let qs = b.add(16 + 32 * p) as *const __m128i;
+        // Group 2p: the low nibbles; group 2p + 1: the high ones.
+        let lane = |i: usize| _mm512_permutexvar_ps(_mm512_set1_epi32(i as i32), sm);
+        let t0 = _mm512_fmsub_ps(lane(2 * p), iota, lane(8 + 2 * p));
+        let t1 = _mm512_fmsub_ps(lane(2 * p + 1), iota, lane(9 + 2 * p));
+        for h in 0..2 {
+            // Lane j: byte 16 h + j, its low nibble in group 2p, its high one in 2p + 1.
+            let bytes = _mm512_cvtepu8_epi32(_mm_loadu_si128(qs.add(h)));
+            f(64 * p + 16 * h, _mm512_permutexvar_ps(bytes, t0));
+            f(
+                64 * p + 32 + 16 * h,
+                _mm512_permutexvar_ps(_mm512_srli_epi32::<4>(bytes), t1),
+            );
+        }
+    }
+}
+
+/// Q6_K rows: `{ u8 ql[128]; u8 qh[64]; i8 scales[16]; f16 d }` per 256 values
+/// ([`q6_k_values`]).
 #[cfg(target_arch = "x86_64")]
 #[inline]
 #[target_feature(enable = "avx512f")]
 unsafe fn dot_q6_k<const R: usize>(row: &[u8], xp: *const f32, inp: usize) -> [[__m512; 4]; R] {
-    let bp = row.as_ptr();
     let mut acc = [[_mm512_setzero_ps(); 4]; R];
-    let (nibbles, twos) = (_mm256_set1_epi8(0x0F), _mm256_set1_epi8(0x03));
-    let thirty_two = _mm256_set1_epi8(32);
     for blk in 0..inp / 256 {
-        let b = bp.add(blk * 210);
-        // `d * scales[g]` in lane g.
-        let scales = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(
-            b.add(192) as *const __m128i
-        )));
-        let dl = _mm512_mul_ps(_mm512_set1_ps(half_before(b.add(210))), scales);
-        for h in 0..2 {
-            let qh = _mm256_loadu_si256(b.add(128 + 32 * h) as *const __m256i);
-            for t in 0..4 {
-                let ql = _mm256_loadu_si256(b.add(64 * h + 32 * (t % 2)) as *const __m256i);
-                let low = if t / 2 == 0 {
-                    _mm256_and_si256(ql, nibbles)
-                } else {
-                    _mm256_and_si256(_mm256_srli_epi16(ql, 4), nibbles)
-                };
-                let high =
-                    _mm256_and_si256(_mm256_srl_epi16(qh, _mm_cvtsi32_si128(2 * t as i32)), twos);
-                // `q - 32` as signed bytes, once for 32 values.
-                let q =
-                    _mm256_sub_epi8(_mm256_or_si256(low, _mm256_slli_epi16(high, 4)), thirty_two);
-                let g = 8 * h + 2 * t;
-                let dl0 = _mm512_permutexvar_ps(_mm512_set1_epi32(g as i32), dl);
-                let dl1 = _mm512_permutexvar_ps(_mm512_set1_epi32(g as i32 + 1), dl);
-                let v0 = _mm512_cvtepi8_epi32(_mm256_castsi256_si128(q));
-                let v1 = _mm512_cvtepi8_epi32(_mm256_extracti128_si256(q, 1));
-                let xv = xp.add(blk * 256 + 128 * h + 32 * t);
-                let a = 2 * (t % 2);
-                let w0 = _mm512_mul_ps(dl0, _mm512_cvtepi32_ps(v0));
-                let w1 = _mm512_mul_ps(dl1, _mm512_cvtepi32_ps(v1));
-                for (r, acc) in acc.iter_mut().enumerate() {
-                    let xr = xv.add(r * inp);
-                    acc[a] = _mm512_fmadd_ps(w0, _mm512_loadu_ps(xr), acc[a]);
-                    acc[a + 1] = _mm512_fmadd_ps(w1, _mm512_loadu_ps(xr.add(16)), acc[a + 1]);
-                }
+        q6_k_values(row.as_ptr().add(blk * 210), |at, v| {
+            for (r, a) in acc.iter_mut().enumerate() {
+                let x = _mm512_loadu_ps(xp.add(r * inp + blk * 256 + at));
+                a[at / 16 % 4] = _mm512_fmadd_ps(v, x, a[at / 16 % 4]);
             }
-        }
+        });
     }
     acc
+}
+
+/// The 256 values of the Q6_K block at `b`, 16 at a time as [`q4_k_values`]: value `128 h +
+/// 32 t + l` is `(d * scales[8 h + 2 t + l / 16]) * (q - 32)` with the low four bits from
+/// `ql[64 h + 32 (t % 2) + l] >> 4 (t / 2)` and the high two from `qh[32 h + l] >> 2 t`.
+#[cfg(target_arch = "x86_64")]
+#[inline]
+#[target_feature(enable = "avx512f")]
+unsafe fn q6_k_values(b: *const u8, mut f: impl FnMut(usize, __m512)) {
+    let (nibbles, twos) = (_mm256_set1_epi8(0x0F), _mm256_set1_epi8(0x03));
+    let thirty_two = _mm256_set1_epi8(32);
+    // `d * scales[g]` in lane g.
+    let scales = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(
+        b.add(192) as *const __m128i
+    )));
+    let dl = _mm512_mul_ps(_mm512_set1_ps(half_before(b.add(210))), scales);
+    for h in 0..2 {
+        let qh = _mm256_loadu_si256(b.add(128 + 32 * h) as *const __m256i);
+        for t in 0..4 {
+            let ql = _mm256_loadu_si256(b.add(64 * h + 32 * (t % 2)) as *const __m256i);
+            let low = if t / 2 == 0 {
+                _mm256_and_si256(ql, nibbles)
+            } else {
+                _mm256_and_si256(_mm256_srli_epi16(ql, 4), nibbles)
+            };
+            let high =
+                _mm256_and_si256(_mm256_srl_epi16(qh, _mm_cvtsi32_si128(2 * t as i32)), twos);
+            // `q - 32` as signed bytes, once for 32 values.
+            let q = _mm256_sub_epi8(_mm256_or_si256(low, _mm256_slli_epi16(high, 4)), thirty_two);
+            let g = 8 * h + 2 * t;
+            let dl0 = _mm512_permutexvar_ps(_mm512_set1_epi32(g as i32), dl);
+            let dl1 = _mm512_permutexvar_ps(_mm512_set1_epi32(g as i32 + 1), dl);
+            let v0 = _mm512_cvtepi8_epi32(_mm256_castsi256_si128(q));
+            let v1 = _mm512_cvtepi8_epi32(_mm256_extracti128_si256(q, 1));
+            f(128 * h + 32 * t, _mm512_mul_ps(dl0, _mm512_cvtepi32_ps(v0)));
+            f(
+                128 * h + 32 * t + 16,
+                _mm512_mul_ps(dl1, _mm512_cvtepi32_ps(v1)),
+            );
+        }
+    }
 }
 
 /// The dot products of whole `K` blocks with each of `R` rows of `x` (row stride `inp`):

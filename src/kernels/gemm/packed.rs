@@ -22,13 +22,17 @@ use rayon::prelude::*;
 
 use crate::error::{Error, Result};
 use crate::kernels::activation::gelu_erf_in_place;
-use crate::kernels::gemm::aligned::AlignedFloats;
+use crate::kernels::gemm::aligned::{AlignedFloats, UninitFloats};
 use crate::kernels::gemm::half_rows_product;
 use crate::kernels::gemm::matrix::{HalfRows, HalfSource, MatRef};
 use crate::kernels::gemm::microkernel::{self, panel_product, Start};
+use crate::kernels::gemm::transpose;
+use crate::kernels::scratch::with_scratch;
 
 /// Output columns per panel (3 AVX-512 registers, or two 4 x 24 AVX2 tiles).
 const PANEL: usize = 48;
+const _: () = assert!(PANEL % transpose::COLUMNS == 0);
+
 /// Bytes per memory page (the smallest, x86-64's and most others').
 const PAGE: usize = 4096;
 /// Rows per task: a block of activations stays in L2 while the panels stream by (128
@@ -119,28 +123,38 @@ impl PackedWeight {
         rows: &(dyn Fn(usize, usize, &mut [f32]) -> bool + Sync),
     ) -> Result<AlignedFloats> {
         let k = self.k;
-        let mut data = AlignedFloats::zeroed(self.panels.len() * k * PANEL);
-        data.par_chunks_mut((k * PANEL).max(1))
+        // Every float is written below (the panels tile the buffer, a narrow panel's unused
+        // columns as zeros): no zeroing pass first. (A scale of 1 leaves each value's bits.)
+        let mut data = UninitFloats::new(self.panels.len() * k * PANEL);
+        data.slots()
+            .par_chunks_mut((k * PANEL).max(1))
             .zip(&self.panels)
             .try_for_each(|(dst, panel)| {
-                let mut w = vec![0f32; panel.width * k];
-                if !rows(panel.col, panel.width, &mut w) {
-                    return Err(Error::Kernel(format!(
-                        "rows {}..{} of a ({}, {k}) weight",
-                        panel.col,
-                        panel.col + panel.width,
-                        self.n
-                    )));
-                }
-                // Written in order (the rows' reads stay within a few lines of L1).
-                for (kk, line) in dst.chunks_exact_mut(PANEL).enumerate() {
-                    for (d, row) in line.iter_mut().zip(w.chunks_exact(k.max(1))) {
-                        *d = row[kk];
+                with_scratch(panel.width * k, |w| {
+                    if !rows(panel.col, panel.width, w) {
+                        return Err(Error::Kernel(format!(
+                            "rows {}..{} of a ({}, {k}) weight",
+                            panel.col,
+                            panel.col + panel.width,
+                            self.n
+                        )));
                     }
-                }
-                Ok(())
+                    // Eight rows at a time become eight columns of the panel (in registers);
+                    // the columns past the panel's width, zeros.
+                    for g in (0..PANEL).step_by(transpose::COLUMNS) {
+                        let live = transpose::COLUMNS.min(panel.width.saturating_sub(g));
+                        let mut eight: [&[f32]; transpose::COLUMNS] = [&[]; transpose::COLUMNS];
+                        for (t, row) in eight.iter_mut().enumerate().take(live) {
+                            *row = &w[(g + t) * k..(g + t + 1) * k];
+                        }
+                        transpose::transpose_scaled(&eight[..live], k, 1.0, &mut dst[g..], PANEL)?;
+                    }
+                    Ok(())
+                })
             })?;
-        Ok(data)
+        // SAFETY: each of the `panels.len()` chunks of `k * PANEL` slots had all its `k`
+        // lines of `PANEL` written above (an error returned before this).
+        Ok(unsafe { data.assume_init() })
     }
 
     /// The `(in, out)` form of half-precision `(out, in)` matrices stacked along their

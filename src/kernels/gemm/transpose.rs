@@ -1,6 +1,7 @@
-//! The scaled transposed copy that packs keys into the `K^T` panels of the micro-kernels:
-//! eight key rows at a time become eight columns of the panel, in `8 x 8` blocks held in AVX
-//! registers where the CPU has AVX (eight loads, 24 shuffles and eight stores per 64
+//! The scaled transposed copy that packs rows into the panels of the micro-kernels (the
+//! attention's keys into its `K^T` panels, a weight's dequantized rows into its packed
+//! panels): eight rows at a time become eight columns of the panel, in `8 x 8` blocks held in
+//! AVX registers where the CPU has AVX (eight loads, 24 shuffles and eight stores per 64
 //! floats, instead of one scalar load and store per float).
 
 #[cfg(target_arch = "x86_64")]
