@@ -14,12 +14,14 @@
 //! - [`quant`]: ggml's quantized block formats (GGUF files) and their dequantization;
 //! - [`encoder`]: BERT's element-wise parts: embeddings, the fused feed-forward, LayerNorm;
 //! - [`rms_norm`]: the decoders' RMS norm, candle-nn's bits with rows summed side by side;
+//!   [`residual`]: their residual sums on rayon's pool;
 //! - [`simd`], [`activation`]: vectorised `exp`, reductions and GELU, picked at run time by
 //!   instruction set; [`cpu_tensor`]: f32 views of candle's CPU tensors; [`scratch`]:
 //!   per-thread scratch and training buffers.
 //!
 //! Dependencies inside run one way, each group reading only those before it: `simd`,
-//! `activation`, `scratch`; `gemm`; `cpu_tensor`; `decode`, `encoder`, `rms_norm`; `attend`; `train`.
+//! `activation`, `scratch`; `gemm`; `cpu_tensor`; `decode`, `encoder`, `rms_norm`,
+//! `residual`; `attend`; `train`.
 
 pub(crate) mod activation;
 pub(crate) mod attend;
@@ -29,6 +31,7 @@ pub(crate) mod encoder;
 pub(crate) mod gemm;
 pub(crate) mod pool;
 pub(crate) mod quant;
+pub(crate) mod residual;
 pub(crate) mod rms_norm;
 pub(crate) mod scratch;
 pub(crate) mod simd;

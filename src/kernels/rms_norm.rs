@@ -3,6 +3,8 @@
 //! a chain of dependent adds (a row of 576 waits ~1700 cycles on them); [`ROWS`] rows are
 //! summed side by side, each in its own order, so that their chains overlap.
 
+use std::mem::MaybeUninit;
+
 use candle_core::{DType, Tensor, D};
 use candle_nn::{Module, RmsNorm};
 use rayon::prelude::*;
@@ -16,23 +18,27 @@ const ROWS: usize = 8;
 /// Rows below which the pool is not worth a hand-over (candle's own threshold).
 const SERIAL_ROWS: usize = 32;
 
-/// `out[r] = x[r] / sqrt(mean(x[r]^2) + eps) * w` for each row `r` of `x` (rows of
-/// `w.len()` values; `out` as long as `x`), bit for bit candle-nn's `rms_norm` on the CPU.
-pub(crate) fn rms_norm_rows(x: &[f32], w: &[f32], eps: f32, out: &mut [f32]) {
+/// `x[r] / sqrt(mean(x[r]^2) + eps) * w` for each whole row `r` of `x` (rows of `w.len()`
+/// values), bit for bit candle-nn's `rms_norm` on the CPU; a partial last row is left out.
+pub(crate) fn rms_norm_rows(x: &[f32], w: &[f32], eps: f32) -> Vec<f32> {
     let n = w.len();
-    if n == 0 || x.len() != out.len() {
-        return;
-    }
-    let group = |(x, out): (&[f32], &mut [f32])| normalize_group(x, w, eps, out);
-    if x.len() / n <= SERIAL_ROWS {
-        x.chunks(ROWS * n)
-            .zip(out.chunks_mut(ROWS * n))
+    let len = x.len().checked_div(n).map_or(0, |rows| rows * n);
+    let (x, mut out) = (&x[..len], Vec::with_capacity(len));
+    let group = |(x, out): (&[f32], &mut [MaybeUninit<f32>])| normalize_group(x, w, eps, out);
+    let slots = &mut out.spare_capacity_mut()[..len];
+    if len <= SERIAL_ROWS * n {
+        x.chunks(ROWS * n.max(1))
+            .zip(slots.chunks_mut(ROWS * n.max(1)))
             .for_each(group);
     } else {
         x.par_chunks(ROWS * n)
-            .zip(out.par_chunks_mut(ROWS * n))
+            .zip(slots.par_chunks_mut(ROWS * n))
             .for_each(group);
     }
+    // SAFETY: `normalize_group` writes every value of each chunk (whole rows): no zeroing
+    // pass first.
+    unsafe { out.set_len(len) };
+    out
 }
 
 /// `norm(x)` as candle-nn's `RmsNorm` computes it: f32 CPU rows (contiguous, nothing tracking
@@ -42,9 +48,7 @@ pub(crate) fn rms_norm(norm: &RmsNorm, x: &Tensor) -> Result<Tensor> {
     let ours = |t: &Tensor| t.device().is_cpu() && t.dtype() == DType::F32 && t.is_contiguous();
     if ours(x) && ours(w) && !x.track_op() && x.dim(D::Minus1)? == w.elem_count() {
         let (xv, wv) = (CpuF32::new(x, "x")?, CpuF32::new(w, "norm weight")?);
-        let xs = xv.contiguous()?;
-        let mut out = vec![0f32; xs.len()];
-        rms_norm_rows(xs, wv.contiguous()?, norm.eps() as f32, &mut out);
+        let out = rms_norm_rows(xv.contiguous()?, wv.contiguous()?, norm.eps() as f32);
         return Ok(Tensor::from_vec(out, x.shape(), x.device())?);
     }
     Ok(norm.forward(x)?)
@@ -52,7 +56,7 @@ pub(crate) fn rms_norm(norm: &RmsNorm, x: &Tensor) -> Result<Tensor> {
 
 /// Up to [`ROWS`] whole rows of `x` into `out`, compiled for the widest vectors this CPU has
 /// (the divisions and products are per lane, the same bits at any width).
-fn normalize_group(x: &[f32], w: &[f32], eps: f32, out: &mut [f32]) {
+fn normalize_group(x: &[f32], w: &[f32], eps: f32, out: &mut [MaybeUninit<f32>]) {
     #[cfg(target_arch = "x86_64")]
     {
         use crate::kernels::simd::{isa, Isa};
@@ -68,18 +72,18 @@ fn normalize_group(x: &[f32], w: &[f32], eps: f32, out: &mut [f32]) {
 
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx512f")]
-unsafe fn group_avx512(x: &[f32], w: &[f32], eps: f32, out: &mut [f32]) {
+unsafe fn group_avx512(x: &[f32], w: &[f32], eps: f32, out: &mut [MaybeUninit<f32>]) {
     group(x, w, eps, out)
 }
 
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx2")]
-unsafe fn group_avx2(x: &[f32], w: &[f32], eps: f32, out: &mut [f32]) {
+unsafe fn group_avx2(x: &[f32], w: &[f32], eps: f32, out: &mut [MaybeUninit<f32>]) {
     group(x, w, eps, out)
 }
 
 #[inline(always)]
-fn group(x: &[f32], w: &[f32], eps: f32, out: &mut [f32]) {
+fn group(x: &[f32], w: &[f32], eps: f32, out: &mut [MaybeUninit<f32>]) {
     let n = w.len();
     let rows = x.len() / n;
     let mut sums = [0f32; ROWS];
@@ -100,7 +104,7 @@ fn group(x: &[f32], w: &[f32], eps: f32, out: &mut [f32]) {
     for ((row, o), &s) in x.chunks_exact(n).zip(out.chunks_exact_mut(n)).zip(&sums) {
         let m = (s / n as f32 + eps).sqrt();
         for ((d, &v), &a) in o.iter_mut().zip(row).zip(w) {
-            *d = v / m * a;
+            d.write(v / m * a);
         }
     }
 }
@@ -161,8 +165,7 @@ mod tests {
             )?
             .flatten_all()?
             .to_vec1::<f32>()?;
-            let mut out = vec![f32::NAN; rows * n];
-            rms_norm_rows(&x, &w, eps, &mut out);
+            let out = rms_norm_rows(&x, &w, eps);
             let bits = |v: &[f32]| v.iter().map(|f| f.to_bits()).collect::<Vec<_>>();
             assert_eq!(bits(&out), bits(&expected), "{rows} x {n}");
         }

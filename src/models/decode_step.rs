@@ -58,9 +58,7 @@ impl Norm {
     /// `x / sqrt(mean(x^2) + eps) * w`: candle-nn's `rms_norm` CPU kernel's expressions, in
     /// its order (the sum of squares left to right in f32).
     fn apply(&self, x: &[f32]) -> Vec<f32> {
-        let mut out = vec![0f32; x.len()];
-        rms_norm_rows(x, &self.weight, self.eps, &mut out);
-        out
+        rms_norm_rows(x, &self.weight, self.eps)
     }
 }
 

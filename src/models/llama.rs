@@ -20,6 +20,7 @@ use crate::error::{Error, Result};
 use crate::kernels::decode::gemv::{one_row_gated, one_row_linear};
 use crate::kernels::decode::widen;
 use crate::kernels::pool::in_pool;
+use crate::kernels::residual;
 use crate::kernels::rms_norm::rms_norm;
 use crate::models::decode_step::{DecodeStep, StepAttention};
 use crate::models::kv_cache::KvCache;
@@ -516,9 +517,9 @@ impl DecoderLayer {
         };
         let out = scaled_dot_product_attention(&q, &k_all, &v_all, mask.as_ref(), opts)?;
         let attn = self.attn.merge_heads(&out.context)?.to_dtype(x.dtype())?; // context (b, h, t, vhd)
-        let x = (x + attn)?;
+        let x = residual::add(x, &attn)?;
         let m = self.mlp.forward(&rms_norm(&self.post_norm, &x)?)?;
-        Ok(((x + m)?, out.weights))
+        Ok((residual::add(&x, &m)?, out.weights))
     }
 }
 

@@ -438,15 +438,19 @@ impl QuantWeight {
             let Some(gu) = stacked_values(&[gate, up], xs, rows)? else {
                 return Ok(None);
             };
-            let mut y = vec![0f32; rows * i];
-            y.par_chunks_mut(i)
+            let mut y = Vec::with_capacity(rows * i);
+            y.spare_capacity_mut()[..rows * i]
+                .par_chunks_mut(i)
                 .zip(gu.par_chunks(2 * i))
                 .for_each(|(y, gu)| {
                     let (g, u) = gu.split_at(i);
                     for ((yv, &gv), &uv) in y.iter_mut().zip(g).zip(u) {
-                        *yv = gv / (1.0 + (-gv).exp()) * uv;
+                        yv.write(gv / (1.0 + (-gv).exp()) * uv);
                     }
                 });
+            // SAFETY: `gu` holds `rows` rows of `2 i`, so each of the `rows` chunks of `i`
+            // was written above (no zeroing pass first).
+            unsafe { y.set_len(rows * i) };
             Ok(Some(y))
         })?;
         y.map(|y| output_like(x, y, i)).transpose()

@@ -24,7 +24,7 @@ use rayon::prelude::*;
 
 use crate::error::{Error, Result};
 use crate::kernels::decode::quant_gemv_vnni;
-use crate::kernels::gemm::aligned::AlignedFloats;
+use crate::kernels::gemm::aligned::{AlignedFloats, UninitFloats};
 #[cfg(target_arch = "x86_64")]
 use crate::kernels::gemm::packed::OutPtr;
 use crate::kernels::quant::blocks::QuantType;
@@ -98,7 +98,7 @@ fn pack(parts: &[Part<'_>], cols: usize, group: usize) -> Option<(AlignedFloats,
     let panels = n.div_ceil(PANEL);
     let groups = cols / group;
     let panel_words = groups * group_words(group);
-    let mut data = AlignedFloats::zeroed(panels * panel_words);
+    let mut data = UninitFloats::new(panels * panel_words);
     let row_bytes: Vec<usize> = parts
         .iter()
         .map(|p| p.0.bytes_of(cols))
@@ -117,13 +117,25 @@ fn pack(parts: &[Part<'_>], cols: usize, group: usize) -> Option<(AlignedFloats,
         None
     };
     let ok = data
-        .par_chunks_mut(panel_words)
+        .slots()
+        .par_chunks_mut(panel_words.max(1))
         .enumerate()
-        .all(|(p, panel)| {
+        .all(|(p, slots)| {
+            // Zeroed by the task that fills it, just before (a narrow panel's unused columns
+            // stay zero), rather than the whole buffer by the calling thread alone.
+            for slot in slots.iter_mut() {
+                slot.write(0.0);
+            }
+            // SAFETY: every slot of this chunk was written just above.
+            let panel = unsafe {
+                std::slice::from_raw_parts_mut(slots.as_mut_ptr().cast::<f32>(), slots.len())
+            };
             let width = PANEL.min(n - p * PANEL);
             fill_panel(panel, width, cols, group, |c| row(p * PANEL + c))
         });
-    ok.then_some((data, panels))
+    // SAFETY: with `ok`, every chunk's task ran and zeroed all its slots (`all` stops early
+    // only on a `false`); without it the slots are dropped unread.
+    ok.then(|| (unsafe { data.assume_init() }, panels))
 }
 
 /// One panel of `width` columns whose rows `row(c)` gives (its type and bytes), in groups of
