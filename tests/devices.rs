@@ -258,7 +258,7 @@ test_device!(gradients_on, gradients_cpu, gradients_cuda, gradients_metal);
 /// without the ids.
 fn gguf_models_on(device: &Device) -> anyhow::Result<()> {
     use candle_attention::LlamaModel;
-    use common::{decoder_prompt, greedy_run as run, GGUF_CASES};
+    use common::{decoder_prompt, greedy_run as run, step_logits, GGUF_CASES};
     for case in GGUF_CASES {
         let prompt = decoder_prompt(case)?;
         for ty in ["q8_0", "q4_1"] {
@@ -281,6 +281,20 @@ fn gguf_models_on(device: &Device) -> anyhow::Result<()> {
             }
             assert!(worst <= 1e-4 * top, "{case} {ty}: {worst} of {top}");
             assert_eq!(ids, want_ids, "{case} {ty}: greedy ids");
+            // One decode step's row (on CUDA, the exact block kernels where the widths fit).
+            let (want, got) = (
+                step_logits(&dense, &prompt, &Device::Cpu)?,
+                step_logits(&on, &prompt, device)?,
+            );
+            let top = want.iter().fold(0f32, |m, v| m.max(v.abs()));
+            let worst = got
+                .iter()
+                .zip(&want)
+                .fold(0f32, |m, (a, b)| m.max((a - b).abs()));
+            eprintln!(
+                "{case} {ty} on {device:?}: a decode step's logits within {worst:e} of {top:e}"
+            );
+            assert!(worst <= 1e-4 * top, "{case} {ty} step: {worst} of {top}");
         }
     }
     Ok(())

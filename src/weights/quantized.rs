@@ -349,12 +349,14 @@ impl QuantWeight {
 
     /// `x W^T` on `x`'s device, for a weight placed there by [`QuantWeight::on`].
     ///
-    /// On CUDA, exact unless `int8`: the blocks dequantized there for the call (a transient
-    /// f32 copy of this one weight), then the dense product in `x`'s dtype, as the CPU's
-    /// fallback. With `int8`, and always on Metal (whose candle dequantizes on the host,
-    /// a round trip per call): candle's quantized kernels, on f32 activations. CUDA's
-    /// round them to 8 bits (q8_1, as llama.cpp); Metal's one-row product reads them as
-    /// they are, its larger ones in half precision.
+    /// On CUDA, exact unless `int8`: one f32 row of a 32-value block type by candle's
+    /// f32-activation kernels (each value dequantized in registers, as gguf-py makes it);
+    /// otherwise the blocks dequantized there for the call (a transient f32 copy of this one
+    /// weight), then the dense product in `x`'s dtype, as the CPU's fallback. With `int8`,
+    /// and always on Metal (whose candle dequantizes on the host, a round trip per call):
+    /// candle's quantized kernels, on f32 activations. CUDA's round them to 8 bits (q8_1, as
+    /// llama.cpp); Metal's one-row product reads them as they are, its larger ones in half
+    /// precision.
     pub(crate) fn forward_on_device(
         &self,
         on: &OnDevice,
@@ -362,10 +364,32 @@ impl QuantWeight {
         int8: bool,
     ) -> Result<Tensor> {
         if int8 || !x.device().is_cuda() {
-            Self::kernels_product(on, x)
-        } else {
-            Self::dequantized_product(on, x)
+            return Self::kernels_product(on, x);
         }
+        #[cfg(feature = "cuda")]
+        if let Some(y) = self.exact_row_on_cuda(on, x)? {
+            return Ok(y);
+        }
+        Self::dequantized_product(on, x)
+    }
+
+    /// `x W^T` for one f32 row on CUDA by candle's f32-activation kernels
+    /// ([`cuda_gemv::ExactGemv`]), each value gguf-py's; `None` for more rows, another dtype,
+    /// or a type or width those kernels do not take exactly.
+    #[cfg(feature = "cuda")]
+    fn exact_row_on_cuda(&self, on: &OnDevice, x: &Tensor) -> Result<Option<Tensor>> {
+        use crate::weights::cuda_gemv::ExactGemv;
+        let one_row = x.elem_count() == self.cols && x.dtype() == DType::F32;
+        if !one_row || ExactGemv::kernel(self.ty, self.cols).is_none() {
+            return Ok(None);
+        }
+        let op = ExactGemv {
+            w: on.blocks.clone(),
+            ty: self.ty,
+            rows: self.rows,
+            cols: self.cols,
+        };
+        Ok(Some(x.contiguous()?.apply_op1_no_bwd(&op)?))
     }
 
     /// `x W^T` by candle's quantized kernels on `x`'s device (f32 activations in).

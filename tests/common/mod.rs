@@ -273,6 +273,23 @@ pub fn decoder_prompt(case: &str) -> anyhow::Result<Vec<u32>> {
         .to_vec1()?)
 }
 
+/// The logits `(vocab,)` of one decode step (a single row through the cache) after `prompt`,
+/// the step's token the prompt's greedy next one: the path that one-row products take (on
+/// CUDA, the exact block kernels).
+pub fn step_logits(
+    model: &candle_attention::LlamaModel,
+    prompt: &[u32],
+    device: &Device,
+) -> anyhow::Result<Vec<f32>> {
+    use candle_attention::argmax_ids;
+    let mut caches = model.new_caches(prompt.len() + 1);
+    let ids = Tensor::new(prompt, device)?.unsqueeze(0)?;
+    let next = argmax_ids(&model.forward_last(&ids, &mut caches)?)?;
+    let step = Tensor::new(&[[next[0]]], device)?;
+    let logits = model.forward_last(&step, &mut caches)?;
+    Ok(logits.to_device(&Device::Cpu)?.flatten_all()?.to_vec1()?)
+}
+
 /// The prompt's logits (on the CPU) and 8 greedy ids, decoded with the cache, of `model`
 /// on `device`.
 pub fn greedy_run(
