@@ -462,6 +462,13 @@ impl QuantWeight {
             let Some(gu) = stacked_values(&[gate, up], xs, rows)? else {
                 return Ok(None);
             };
+            if gu.len() != rows * 2 * i {
+                return Err(Error::Kernel(format!(
+                    "gate and up of `{}`: {} values for {rows} rows of 2 x {i}",
+                    gate.name,
+                    gu.len()
+                )));
+            }
             let mut y = Vec::with_capacity(rows * i);
             y.spare_capacity_mut()[..rows * i]
                 .par_chunks_mut(i)
@@ -472,8 +479,8 @@ impl QuantWeight {
                         yv.write(gv / (1.0 + (-gv).exp()) * uv);
                     }
                 });
-            // SAFETY: `gu` holds `rows` rows of `2 i`, so each of the `rows` chunks of `i`
-            // was written above (no zeroing pass first).
+            // SAFETY: `gu` holds `rows` rows of `2 i` (checked above), so each of the `rows`
+            // chunks of `i` was written (no zeroing pass first).
             unsafe { y.set_len(rows * i) };
             Ok(Some(y))
         })?;

@@ -337,6 +337,28 @@ unsafe fn dot_blocks<const K: u8, const R: usize>(
     acc
 }
 
+/// The 32 values `q - 32` of the Q6_K block at `b` from value `128 h + 32 t` on, as signed
+/// bytes: the low four bits from `ql[64 h + 32 (t % 2) + l] >> 4 (t / 2)`, the high two from
+/// `qh[32 h + l] >> 2 t` (both row kernels' unpacking).
+#[cfg(target_arch = "x86_64")]
+#[inline]
+#[target_feature(enable = "avx2")]
+pub(crate) unsafe fn q6_k_bytes(b: *const u8, h: usize, t: usize) -> __m256i {
+    let (nibbles, twos) = (_mm256_set1_epi8(0x0F), _mm256_set1_epi8(0x03));
+    let qh = _mm256_loadu_si256(b.add(128 + 32 * h) as *const __m256i);
+    let ql = _mm256_loadu_si256(b.add(64 * h + 32 * (t % 2)) as *const __m256i);
+    let low = if t / 2 == 0 {
+        _mm256_and_si256(ql, nibbles)
+    } else {
+        _mm256_and_si256(_mm256_srli_epi16(ql, 4), nibbles)
+    };
+    let high = _mm256_and_si256(_mm256_srl_epi16(qh, _mm_cvtsi32_si128(2 * t as i32)), twos);
+    _mm256_sub_epi8(
+        _mm256_or_si256(low, _mm256_slli_epi16(high, 4)),
+        _mm256_set1_epi8(32),
+    )
+}
+
 /// `acc += (dl * q - ml) * x` over 32 unsigned byte values `q` (gguf-py's Q4_K form: the
 /// product, then the difference, as one fused step: `dl * q` is exact), 8 at a time.
 #[cfg(target_arch = "x86_64")]
@@ -409,8 +431,6 @@ unsafe fn dot_q4_k<const R: usize>(row: &[u8], xp: *const f32, inp: usize) -> [[
 unsafe fn dot_q6_k<const R: usize>(row: &[u8], xp: *const f32, inp: usize) -> [[__m256; 4]; R] {
     let bp = row.as_ptr();
     let mut acc = [[_mm256_setzero_ps(); 4]; R];
-    let (nibbles, twos) = (_mm256_set1_epi8(0x0F), _mm256_set1_epi8(0x03));
-    let thirty_two = _mm256_set1_epi8(32);
     for blk in 0..inp / 256 {
         let b = bp.add(blk * 210);
         // `d * scales[g]`: lane g of `dls[g / 8]`.
@@ -424,19 +444,8 @@ unsafe fn dot_q6_k<const R: usize>(row: &[u8], xp: *const f32, inp: usize) -> [[
             ),
         ];
         for h in 0..2 {
-            let qh = _mm256_loadu_si256(b.add(128 + 32 * h) as *const __m256i);
             for t in 0..4 {
-                let ql = _mm256_loadu_si256(b.add(64 * h + 32 * (t % 2)) as *const __m256i);
-                let low = if t / 2 == 0 {
-                    _mm256_and_si256(ql, nibbles)
-                } else {
-                    _mm256_and_si256(_mm256_srli_epi16(ql, 4), nibbles)
-                };
-                let high =
-                    _mm256_and_si256(_mm256_srl_epi16(qh, _mm_cvtsi32_si128(2 * t as i32)), twos);
-                // `q - 32` as signed bytes, once for 32 values.
-                let q =
-                    _mm256_sub_epi8(_mm256_or_si256(low, _mm256_slli_epi16(high, 4)), thirty_two);
+                let q = q6_k_bytes(b, h, t);
                 let halves = [_mm256_castsi256_si128(q), _mm256_extracti128_si256(q, 1)];
                 let g = 8 * h + 2 * t;
                 let xv = xp.add(blk * 256 + 128 * h + 32 * t);

@@ -19,7 +19,7 @@ use crate::kernels::decode::quant_gemv::rows_dots_shape;
 #[cfg(target_arch = "x86_64")]
 use crate::kernels::decode::quant_gemv::ROW_KERNEL_TYPES;
 #[cfg(target_arch = "x86_64")]
-use crate::kernels::decode::quant_gemv_avx2::{half_at, half_before, halves_at};
+use crate::kernels::decode::quant_gemv_avx2::{half_at, half_before, halves_at, q6_k_bytes};
 #[cfg(target_arch = "x86_64")]
 use crate::kernels::quant::blocks::scales_mins_k4;
 use crate::kernels::quant::blocks::QuantType;
@@ -121,8 +121,8 @@ unsafe fn rows_dots_avx512<const R: usize>(
         QuantType::Q4_0 => each_row!(row => dot_blocks::<Q4_0, R>(row, xs, inp)),
         QuantType::Q4_1 => each_row!(row => dot_blocks::<Q4_1, R>(row, xs, inp)),
         QuantType::Q5_0 => each_row!(row => dot_blocks::<Q5_0, R>(row, xs, inp)),
-        QuantType::Q4K => each_row!(row => dot_q4_k::<R>(row, xs, inp)),
-        QuantType::Q6K => each_row!(row => dot_q6_k::<R>(row, xs, inp)),
+        QuantType::Q4K => each_row!(row => dot_k::<R, false>(row, xs, inp)),
+        QuantType::Q6K => each_row!(row => dot_k::<R, true>(row, xs, inp)),
         _ => each_row!(row => dot_blocks::<Q5_1, R>(row, xs, inp)),
     }
 }
@@ -138,8 +138,7 @@ pub(crate) fn dequantize(ty: QuantType, bytes: &[u8], out: &mut [f32]) -> bool {
     #[cfg(target_arch = "x86_64")]
     {
         // SAFETY: AVX-512F checked by `supports`; `bytes` holds the whole blocks of `out`.
-        unsafe { dequantize_avx512(ty, bytes.as_ptr(), out) };
-        true
+        unsafe { dequantize_avx512(ty, bytes.as_ptr(), out) }
     }
     #[cfg(not(target_arch = "x86_64"))]
     {
@@ -147,13 +146,13 @@ pub(crate) fn dequantize(ty: QuantType, bytes: &[u8], out: &mut [f32]) -> bool {
     }
 }
 
-/// [`dequantize`] once checked.
+/// [`dequantize`] once checked; `false`, writing nothing, for a type it has no unpacking of.
 ///
 /// # Safety
 /// AVX-512F; `b` points at the whole blocks of `ty` that `out` holds the values of.
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx512f")]
-unsafe fn dequantize_avx512(ty: QuantType, b: *const u8, out: &mut [f32]) {
+unsafe fn dequantize_avx512(ty: QuantType, b: *const u8, out: &mut [f32]) -> bool {
     let o = out.as_mut_ptr();
     let blocks = out.len() / ty.block_values();
     let size = ty.block_bytes();
@@ -192,8 +191,9 @@ unsafe fn dequantize_avx512(ty: QuantType, b: *const u8, out: &mut [f32]) {
                 });
             }
         }
-        _ => {}
+        _ => return false,
     }
+    true
 }
 
 /// The 32 values `d * (q - 16)` of the Q5_0 block at `b` as gguf-py makes them, zeros'
@@ -321,19 +321,30 @@ unsafe fn sum16(v: &[__m512; 16]) -> __m512 {
     )
 }
 
-/// Q4_K rows: `{ f16 d; f16 dmin; u8 scales[12]; u8 qs[128] }` per 256 values ([`q4_k_values`]).
+/// Q4_K rows (`{ f16 d; f16 dmin; u8 scales[12]; u8 qs[128] }` per 256 values,
+/// [`q4_k_values`]) or, with `Q6`, Q6_K rows (`{ u8 ql[128]; u8 qh[64]; i8 scales[16]; f16 d }`,
+/// [`q6_k_values`]): four accumulators a row, summed by the caller.
 #[cfg(target_arch = "x86_64")]
 #[inline]
 #[target_feature(enable = "avx512f")]
-unsafe fn dot_q4_k<const R: usize>(row: &[u8], xp: *const f32, inp: usize) -> [[__m512; 4]; R] {
+unsafe fn dot_k<const R: usize, const Q6: bool>(
+    row: &[u8],
+    xp: *const f32,
+    inp: usize,
+) -> [[__m512; 4]; R] {
     let mut acc = [[_mm512_setzero_ps(); 4]; R];
     for blk in 0..inp / 256 {
-        q4_k_values(row.as_ptr().add(blk * 144), |at, v| {
+        let add = |at: usize, v: __m512| {
             for (r, a) in acc.iter_mut().enumerate() {
                 let x = _mm512_loadu_ps(xp.add(r * inp + blk * 256 + at));
                 a[at / 16 % 4] = _mm512_fmadd_ps(v, x, a[at / 16 % 4]);
             }
-        });
+        };
+        if Q6 {
+            q6_k_values(row.as_ptr().add(blk * 210), add);
+        } else {
+            q4_k_values(row.as_ptr().add(blk * 144), add);
+        }
     }
     acc
 }
@@ -375,24 +386,6 @@ unsafe fn q4_k_values(b: *const u8, mut f: impl FnMut(usize, __m512)) {
     }
 }
 
-/// Q6_K rows: `{ u8 ql[128]; u8 qh[64]; i8 scales[16]; f16 d }` per 256 values
-/// ([`q6_k_values`]).
-#[cfg(target_arch = "x86_64")]
-#[inline]
-#[target_feature(enable = "avx512f")]
-unsafe fn dot_q6_k<const R: usize>(row: &[u8], xp: *const f32, inp: usize) -> [[__m512; 4]; R] {
-    let mut acc = [[_mm512_setzero_ps(); 4]; R];
-    for blk in 0..inp / 256 {
-        q6_k_values(row.as_ptr().add(blk * 210), |at, v| {
-            for (r, a) in acc.iter_mut().enumerate() {
-                let x = _mm512_loadu_ps(xp.add(r * inp + blk * 256 + at));
-                a[at / 16 % 4] = _mm512_fmadd_ps(v, x, a[at / 16 % 4]);
-            }
-        });
-    }
-    acc
-}
-
 /// The 256 values of the Q6_K block at `b`, 16 at a time as [`q4_k_values`]: value `128 h +
 /// 32 t + l` is `(d * scales[8 h + 2 t + l / 16]) * (q - 32)` with the low four bits from
 /// `ql[64 h + 32 (t % 2) + l] >> 4 (t / 2)` and the high two from `qh[32 h + l] >> 2 t`.
@@ -400,26 +393,14 @@ unsafe fn dot_q6_k<const R: usize>(row: &[u8], xp: *const f32, inp: usize) -> [[
 #[inline]
 #[target_feature(enable = "avx512f")]
 unsafe fn q6_k_values(b: *const u8, mut f: impl FnMut(usize, __m512)) {
-    let (nibbles, twos) = (_mm256_set1_epi8(0x0F), _mm256_set1_epi8(0x03));
-    let thirty_two = _mm256_set1_epi8(32);
     // `d * scales[g]` in lane g.
     let scales = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(
         b.add(192) as *const __m128i
     )));
     let dl = _mm512_mul_ps(_mm512_set1_ps(half_before(b.add(210))), scales);
     for h in 0..2 {
-        let qh = _mm256_loadu_si256(b.add(128 + 32 * h) as *const __m256i);
         for t in 0..4 {
-            let ql = _mm256_loadu_si256(b.add(64 * h + 32 * (t % 2)) as *const __m256i);
-            let low = if t / 2 == 0 {
-                _mm256_and_si256(ql, nibbles)
-            } else {
-                _mm256_and_si256(_mm256_srli_epi16(ql, 4), nibbles)
-            };
-            let high =
-                _mm256_and_si256(_mm256_srl_epi16(qh, _mm_cvtsi32_si128(2 * t as i32)), twos);
-            // `q - 32` as signed bytes, once for 32 values.
-            let q = _mm256_sub_epi8(_mm256_or_si256(low, _mm256_slli_epi16(high, 4)), thirty_two);
+            let q = q6_k_bytes(b, h, t);
             let g = 8 * h + 2 * t;
             let dl0 = _mm512_permutexvar_ps(_mm512_set1_epi32(g as i32), dl);
             let dl1 = _mm512_permutexvar_ps(_mm512_set1_epi32(g as i32 + 1), dl);

@@ -9,12 +9,21 @@ use std::ops::{Deref, DerefMut};
 /// Floats per 64 bytes.
 const LINE: usize = 16;
 
-/// `len` zeroed floats starting on a 64-byte boundary.
-#[derive(Debug, Clone, Default)]
+/// `len` floats starting on a 64-byte boundary (zeroed, or written through
+/// [`UninitFloats`]); a clone starts on a boundary too.
+#[derive(Debug, Default)]
 pub(crate) struct AlignedFloats {
     buf: Vec<f32>,
     start: usize,
     len: usize,
+}
+
+impl Clone for AlignedFloats {
+    fn clone(&self) -> Self {
+        let mut copy = Self::zeroed(self.len);
+        copy.copy_from_slice(self);
+        copy
+    }
 }
 
 impl AlignedFloats {
@@ -122,6 +131,9 @@ mod tests {
             }
             let b = a.clone();
             assert_eq!(&b[..], &a[..]);
+            if len > 0 {
+                assert_eq!(b.as_ptr() as usize % 64, 0, "a clone on a line too");
+            }
         }
     }
 }

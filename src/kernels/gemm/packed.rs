@@ -101,7 +101,8 @@ impl PackedWeight {
     }
 
     /// Packs the `(in, out)` form of a `(n, k)` weight whose rows `rows(first, count, out)`
-    /// writes (`count` rows of `k` values, row-major; false when it cannot): the panels are
+    /// writes (all `count` rows of `k` values, row-major, into a buffer holding whatever an
+    /// earlier call left; false when it cannot): the panels are
     /// filled on the pool, each from its own rows, with no whole f32 copy of the weight
     /// besides the panels. `Ok(None)` when the CPU has neither AVX-512 nor AVX2 + FMA.
     pub fn pack_rows(
@@ -124,7 +125,8 @@ impl PackedWeight {
     ) -> Result<AlignedFloats> {
         let k = self.k;
         // Every float is written below (the panels tile the buffer, a narrow panel's unused
-        // columns as zeros): no zeroing pass first. (A scale of 1 leaves each value's bits.)
+        // columns as zeros): no zeroing pass first. (A scale of 1 leaves the values as
+        // they are.)
         let mut data = UninitFloats::new(self.panels.len() * k * PANEL);
         data.slots()
             .par_chunks_mut((k * PANEL).max(1))
