@@ -157,26 +157,20 @@ unsafe fn dequantize_avx512(ty: QuantType, b: *const u8, out: &mut [f32]) -> boo
     let blocks = out.len() / ty.block_values();
     let size = ty.block_bytes();
     macro_rules! each_block {
-        ($k:ident) => {
+        ($values:expr) => {
             for i in 0..blocks {
-                let (lo, hi) = block_values::<$k>(b.add(i * size));
+                let (lo, hi) = $values(b.add(i * size));
                 _mm512_storeu_ps(o.add(32 * i), lo);
                 _mm512_storeu_ps(o.add(32 * i + 16), hi);
             }
         };
     }
     match ty {
-        QuantType::Q8_0 => each_block!(Q8_0),
-        QuantType::Q4_0 => each_block!(Q4_0),
-        QuantType::Q4_1 => each_block!(Q4_1),
-        QuantType::Q5_0 => {
-            for i in 0..blocks {
-                let (lo, hi) = q5_0_values(b.add(i * size));
-                _mm512_storeu_ps(o.add(32 * i), lo);
-                _mm512_storeu_ps(o.add(32 * i + 16), hi);
-            }
-        }
-        QuantType::Q5_1 => each_block!(Q5_1),
+        QuantType::Q8_0 => each_block!(block_values::<Q8_0>),
+        QuantType::Q4_0 => each_block!(block_values::<Q4_0>),
+        QuantType::Q4_1 => each_block!(block_values::<Q4_1>),
+        QuantType::Q5_0 => each_block!(q5_0_values),
+        QuantType::Q5_1 => each_block!(block_values::<Q5_1>),
         QuantType::Q4K => {
             for i in 0..blocks {
                 q4_k_values(b.add(i * size), |at, v| {
@@ -205,17 +199,31 @@ unsafe fn dequantize_avx512(ty: QuantType, b: *const u8, out: &mut [f32]) -> boo
 unsafe fn q5_0_values(b: *const u8) -> (__m512, __m512) {
     let bytes = _mm512_cvtepu8_epi32(_mm_loadu_si128(b.add(6) as *const __m128i));
     let qh = u32::from_le_bytes([*b.add(2), *b.add(3), *b.add(4), *b.add(5)]);
-    let (nibble, sixteen) = (_mm512_set1_epi32(15), _mm512_set1_epi32(16));
-    let lo = _mm512_and_si512(bytes, nibble);
-    let hi = _mm512_srli_epi32::<4>(bytes);
-    let lo = _mm512_mask_or_epi32(lo, qh as u16, lo, sixteen);
-    let hi = _mm512_mask_or_epi32(hi, (qh >> 16) as u16, hi, sixteen);
     let (d, _) = halves_at_ptr(b);
     let iota = iota16();
     let (t0, t1) = (
         _mm512_mul_ps(d, _mm512_sub_ps(iota, _mm512_set1_ps(16.0))),
         _mm512_mul_ps(d, iota),
     );
+    five_bit_values(bytes, _mm512_srli_epi32::<4>(bytes), qh, (t0, t1))
+}
+
+/// Values `j` and `16 + j` of a 5-bit block (Q5_0, Q5_1) from the 32 it can hold (`t0`: 0..16,
+/// `t1`: 16..32): lane `j` of `lo` / `hi` holds the low four bits in its low nibble (higher
+/// bits ignored), bit `j` / `16 + j` of `qh` is the fifth.
+#[cfg(target_arch = "x86_64")]
+#[inline]
+#[target_feature(enable = "avx512f")]
+unsafe fn five_bit_values(
+    lo: __m512i,
+    hi: __m512i,
+    qh: u32,
+    (t0, t1): (__m512, __m512),
+) -> (__m512, __m512) {
+    let (nibble, sixteen) = (_mm512_set1_epi32(15), _mm512_set1_epi32(16));
+    let (lo, hi) = (_mm512_and_si512(lo, nibble), _mm512_and_si512(hi, nibble));
+    let lo = _mm512_mask_or_epi32(lo, qh as u16, lo, sixteen);
+    let hi = _mm512_mask_or_epi32(hi, (qh >> 16) as u16, hi, sixteen);
     (
         _mm512_permutex2var_ps(t0, lo, t1),
         _mm512_permutex2var_ps(t0, hi, t1),
@@ -546,19 +554,12 @@ unsafe fn block_values<const K: u8>(b: *const u8) -> (__m512, __m512) {
             // Q5_1: the fifth bits (bit j of `qh` for value j) as bit 4 of the index into
             // the 32 values `d * q + m` (a sum like Q5_0's would round twice).
             let qh = u32::from_le_bytes([*b.add(4), *b.add(5), *b.add(6), *b.add(7)]);
-            let (nibble, sixteen) = (_mm512_set1_epi32(15), _mm512_set1_epi32(16));
-            let (lo, hi) = (_mm512_and_si512(lo, nibble), _mm512_and_si512(hi, nibble));
-            let lo = _mm512_mask_or_epi32(lo, qh as u16, lo, sixteen);
-            let hi = _mm512_mask_or_epi32(hi, (qh >> 16) as u16, hi, sixteen);
             // Entries 0..16 and 16..32 of the table.
             let (t0, t1) = (
                 _mm512_fmadd_ps(d, iota, m),
                 _mm512_fmadd_ps(d, _mm512_add_ps(iota, _mm512_set1_ps(16.0)), m),
             );
-            (
-                _mm512_permutex2var_ps(t0, lo, t1),
-                _mm512_permutex2var_ps(t0, hi, t1),
-            )
+            five_bit_values(lo, hi, qh, (t0, t1))
         }
     }
 }
