@@ -20,7 +20,8 @@ use crate::memory;
 use problem::{OutOperand, Problem};
 use tile_products::Packing;
 
-/// Above this many keys the attention kernels pack K and V for the AVX-512 micro-kernels.
+/// Above this many keys the attention kernels pack K and V for the AVX-512 micro-kernels on
+/// CPUs other than AMD's (an Intel Xeon; on AMD Zen 4, see [`pack_min_keys_avx512`]).
 const PACK_MIN_KEYS_AVX512: usize = 512;
 /// Above this many keys the attention kernels pack K and V for the AVX2 + FMA micro-kernels.
 const PACK_MIN_KEYS_AVX2: usize = 256;
@@ -35,6 +36,19 @@ pub(crate) enum WeightsMode<'f> {
     Stream(&'f mut dyn FnMut(WeightsBlock<'_>) -> Result<()>),
 }
 
+/// Keys above which the AVX-512 kernels pack K and V up front. On AMD Zen 4 that beat the
+/// `gemm` crate at every count past the per-task panels' (attention alone, 9 heads of 64
+/// grouped by 3 causal: 0.79x its time at 80 keys, 0.78x at 128, 0.81x at 200 and 300,
+/// 0.84x at 512; 12 heads of 64: 0.91-0.95x at 128-384); on an Intel Xeon, with the K
+/// panels of that time, the `gemm` crate was 10-15% faster up to 512 keys.
+fn pack_min_keys_avx512() -> usize {
+    if super::simd::amd() {
+        tile_products::PER_TASK_MAX_KEYS
+    } else {
+        PACK_MIN_KEYS_AVX512
+    }
+}
+
 /// Runs `p` writing the context into `out`; returns the weights in [`WeightsMode::Return`].
 /// The products use the micro-kernels (AVX-512 or AVX2 + FMA) where the CPU has them: on K
 /// and V packed up front when the keys are many, packed by each task when they are few
@@ -45,16 +59,15 @@ pub(crate) fn run(
     mode: WeightsMode<'_>,
 ) -> Result<Option<Vec<f32>>> {
     // Packing K and V up front into micro-kernel panels costs a pass over them per call; it
-    // pays when the packed keys are reused by many query rows. On AVX-512 the `gemm` crate on
-    // the strided heads was measured 10-15% faster with one tile of keys (bench at seq 32,
-    // 128 and 512), the panels ~12% faster at seq_k 4096. On AVX2 + FMA (AMD Zen 3, attention
+    // pays when the packed keys are reused by many query rows. On AVX-512 see
+    // [`pack_min_keys_avx512`] (Intel Xeon: the panels ~12% faster at seq_k 4096). On AVX2 + FMA (AMD Zen 3, attention
     // alone, 12 heads of 64, builds alternating, median of the per-round time ratios) the
     // up-front panels took 1.56x the gemm crate's time at seq 32, 1.11x at 128, 1.01x at
     // 256, 0.95x at 384 and at 512 (0.92x with the weights returned). Few keys instead go to
     // panels each task packs for itself (32-key K panels, 8 x 8 transposes), which beat the
     // gemm crate up to 64 keys ([`tile_products::PER_TASK_MAX_KEYS`]).
     let min_keys = if microkernel::avx512() {
-        PACK_MIN_KEYS_AVX512
+        pack_min_keys_avx512()
     } else {
         PACK_MIN_KEYS_AVX2
     };
