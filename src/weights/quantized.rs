@@ -13,6 +13,7 @@ use candle_nn::Linear;
 use rayon::prelude::*;
 
 use crate::error::{Error, Result};
+use crate::kernels::activation::silu_times_into;
 use crate::kernels::cpu_tensor::CpuF32;
 use crate::kernels::decode::gemv::output_like;
 use crate::kernels::decode::quant_gemv::{
@@ -439,8 +440,9 @@ impl QuantWeight {
         Ok(Linear::new(w, None).forward(x)?)
     }
 
-    /// `silu(x W_g^T) * (x W_u^T)` (`silu(g) = g / (1 + e^-g)`, as candle's) for f32 rows
-    /// on the CPU, the same values as the two products and candle's ops: a decode step's rows
+    /// `silu(x W_g^T) * (x W_u^T)` (`silu(g) = g / (1 + e^-g)`, by
+    /// [`crate::kernels::activation::silu`]) for f32 rows on the CPU, the same values as the
+    /// two products and that SiLU: a decode step's rows
     /// in one pass over the threads whose tasks multiply their rows of both and combine them;
     /// a prompt's as one packed product of the two weights stacked, then one pass combining
     /// them; `Ok(None)` elsewhere (the caller composes the ops).
@@ -475,9 +477,7 @@ impl QuantWeight {
                 .zip(gu.par_chunks(2 * i))
                 .for_each(|(y, gu)| {
                     let (g, u) = gu.split_at(i);
-                    for ((yv, &gv), &uv) in y.iter_mut().zip(g).zip(u) {
-                        yv.write(gv / (1.0 + (-gv).exp()) * uv);
-                    }
+                    silu_times_into(g, u, y);
                 });
             // SAFETY: `gu` holds `rows` rows of `2 i` (checked above), so each of the `rows`
             // chunks of `i` was written (no zeroing pass first).
@@ -751,7 +751,7 @@ mod tests {
             for ((y, g), u) in gated.iter().zip(&g).zip(&u) {
                 assert_eq!(
                     y.to_bits(),
-                    (g / (1.0 + (-g).exp()) * u).to_bits(),
+                    (crate::kernels::activation::silu(*g) * u).to_bits(),
                     "{rows} rows"
                 );
             }

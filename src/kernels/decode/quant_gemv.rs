@@ -14,6 +14,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use rayon::prelude::*;
 
 use crate::error::{Error, Result};
+use crate::kernels::activation::silu_times_in_place;
 use crate::kernels::decode::gemv::{dot_rows, task_len_per, ROWS_PER_TASK};
 use crate::kernels::decode::keep_warm;
 use crate::kernels::decode::quant_gemv_int8_avx2;
@@ -320,7 +321,7 @@ fn transpose_into(yt: &[f32], nx: usize, y: &mut [f32]) {
     }
 }
 
-/// `y[j] = silu(W_g[j] x) * (W_u[j] x)` (`silu(g) = g / (1 + e^-g)`, as candle's) for a gate
+/// `y[j] = silu(W_g[j] x) * (W_u[j] x)` ([`silu_times_in_place`]) for a gate
 /// and an up projection of the same shape, `(y.len(), x.len())`, stored as `gate.0` and
 /// `up.0` rows: each task multiplies its rows of both and combines them, one pass over the
 /// threads for the MLP's first half.
@@ -374,9 +375,7 @@ pub(crate) fn quant_gemv_gated_rows(
             }
         };
         rows_of(ut, ud, urb, x, int8_kernel(ut).zip(xq.as_deref()), j0, u)?;
-        for (g, &u) in ys.iter_mut().zip(u.iter()) {
-            *g = *g / (1.0 + (-*g).exp()) * u;
-        }
+        silu_times_in_place(ys, u);
         Ok(())
     };
     // The tasks write `(outputs, rows)` (in `y` itself for one row).
@@ -829,7 +828,7 @@ mod tests {
         let mut got = vec![f32::NAN; out];
         quant_gemv_gated(gate, up, &x, &mut got).map_err(crate::Error::into_candle)?;
         for j in 0..out {
-            let want = g[j] / (1.0 + (-g[j]).exp()) * u[j];
+            let want = crate::kernels::activation::silu(g[j]) * u[j];
             assert_eq!(got[j].to_bits(), want.to_bits(), "row {j}");
         }
         assert!(quant_gemv_gated(gate, up, &x, &mut got[1..]).is_err());
