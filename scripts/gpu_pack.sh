@@ -4,6 +4,7 @@
 #   scripts/gpu_pack.sh [DIR]        # default .gpu (ignored by git); then, on the GPU machine,
 #   tar -C DIR -xJf DIR/bin.tar.xz && BIN_DIR=DIR/bin scripts/gpu_check.sh
 #   BINS="devices generate" scripts/gpu_pack.sh .gpu-small    # some of them only
+#   BINS="lib devices" scripts/gpu_pack.sh .gpu    # `lib`: the library's unit tests (candle_attention)
 #
 # `--features cuda` with nvcc from PyPI's CUDA 13.0 wheels (as scripts/check_backends.sh),
 # CUDA_COMPUTE_CAP 90 (H100 / H200) unless set. Packs BINS (default: the tests of
@@ -49,7 +50,13 @@ export LIBRARY_PATH="$stubs${LIBRARY_PATH:+:$LIBRARY_PATH}"
 build=(--release --features cuda)
 tests=() examples=()
 for b in ${BINS:-devices attention_dump bench generate}; do
-  if [ -f "tests/$b.rs" ]; then tests+=(--test "$b"); else examples+=(--example "$b"); fi
+  if [ "$b" = lib ]; then
+    tests+=(--lib)
+  elif [ -f "tests/$b.rs" ]; then
+    tests+=(--test "$b")
+  else
+    examples+=(--example "$b")
+  fi
 done
 # The executables' paths, from cargo's own report (tests as `cargo test` builds them,
 # examples as `cargo build` does); a failed build stops the script here.

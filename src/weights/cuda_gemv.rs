@@ -1,11 +1,13 @@
-//! One f32 row times a weight in its blocks on CUDA, exact: candle's
-//! `dequantize_mul_mat_vec_*` kernels (llama.cpp's former DMMV), which turn each pair of a
-//! block's values into f32 in registers, as gguf-py makes them (`d * q + m`, `(q - 16) * d`,
-//! `q * d`: each product exact in f32), and multiply-add them into f32 sums, one launch a
-//! product. Without it a decode step dequantized every weight into a transient f32 copy
+//! One f32 row times a weight in its blocks on CUDA, exact: for the 32-value block types
+//! candle's `dequantize_mul_mat_vec_*` kernels (llama.cpp's former DMMV), which turn each
+//! pair of a block's values into f32 in registers, as gguf-py makes them (`d * q + m`,
+//! `(q - 16) * d`, `q * d`: each product exact in f32), and multiply-add them into f32 sums;
+//! for the K-quants this crate's `exact_gemv_k.cu` (compiled by build.rs), each value made
+//! as gguf-py makes it (candle's K-quant kernels scale each group's sum instead). One launch
+//! a product. Without it a decode step dequantized every weight into a transient f32 copy
 //! (written and read again: ~7x the blocks' bytes for a 4-bit type) and then multiplied it.
-//! candle reaches these kernels only through a process-wide switch (`set_force_dmmv`),
-//! hence this custom op.
+//! candle reaches its kernels only through a process-wide switch (`set_force_dmmv`), hence
+//! this custom op.
 
 use std::sync::Arc;
 
@@ -17,9 +19,24 @@ use candle_core::{CpuStorage, CudaStorage, CustomOp1, Layout, Shape};
 
 use crate::kernels::quant::blocks::QuantType;
 
-/// Values a warp covers per step of its row (the kernels' `2 * GGML_CUDA_DMMV_X`): a row of
-/// another width would read into the next row.
+/// Values a warp covers per step of its row in candle's kernels (their `2 *
+/// GGML_CUDA_DMMV_X`): a row of another width would read into the next row.
 const ROW_STEP: usize = 64;
+
+/// The K-quant kernels' PTX (build.rs).
+const EXACT_K_PTX: &str = include_str!(concat!(env!("OUT_DIR"), "/exact_gemv_k.ptx"));
+
+/// Rows a launch block of the K-quant kernels takes (one warp each).
+const K_ROWS_PER_BLOCK: u32 = 4;
+
+/// Where a kernel comes from.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Source {
+    /// candle-kernels' quantized module.
+    Candle,
+    /// This crate's `exact_gemv_k.cu`.
+    ExactK,
+}
 
 /// `x W^T` for one f32 row `x` `(..., cols)` and the blocks `w` `(rows, cols)` on the same
 /// CUDA device.
@@ -31,21 +48,28 @@ pub(crate) struct ExactGemv {
 }
 
 impl ExactGemv {
-    /// The kernel for `ty` when its values are gguf-py's, one by one (the 32-value block
-    /// types; candle's K-quant kernels sum each group before scaling it), and the row width
-    /// fits its steps.
-    pub fn kernel(ty: QuantType, cols: usize) -> Option<&'static str> {
-        if cols == 0 || cols % ROW_STEP != 0 {
+    /// The kernel for `ty` whose values are gguf-py's, one by one, when the row width fits
+    /// its steps: candle's for the 32-value block types, ours for the K-quants (whole
+    /// 256-value blocks).
+    pub fn kernel(ty: QuantType, cols: usize) -> Option<(&'static str, Source)> {
+        if cols == 0 {
             return None;
         }
-        Some(match ty {
-            QuantType::Q4_0 => "dequantize_mul_mat_vec_q4_0_cuda",
-            QuantType::Q4_1 => "dequantize_mul_mat_vec_q4_1_cuda",
-            QuantType::Q5_0 => "dequantize_mul_mat_vec_q5_0_cuda",
-            QuantType::Q5_1 => "dequantize_mul_mat_vec_q5_1_cuda",
-            QuantType::Q8_0 => "dequantize_mul_mat_vec_q8_0_cuda",
-            _ => return None,
-        })
+        let candle = |name| (cols % ROW_STEP == 0).then_some((name, Source::Candle));
+        let ours = |name| (cols % 256 == 0).then_some((name, Source::ExactK));
+        match ty {
+            QuantType::Q4_0 => candle("dequantize_mul_mat_vec_q4_0_cuda"),
+            QuantType::Q4_1 => candle("dequantize_mul_mat_vec_q4_1_cuda"),
+            QuantType::Q5_0 => candle("dequantize_mul_mat_vec_q5_0_cuda"),
+            QuantType::Q5_1 => candle("dequantize_mul_mat_vec_q5_1_cuda"),
+            QuantType::Q8_0 => candle("dequantize_mul_mat_vec_q8_0_cuda"),
+            QuantType::Q2K => ours("exact_gemv_q2_k"),
+            QuantType::Q3K => ours("exact_gemv_q3_k"),
+            QuantType::Q4K => ours("exact_gemv_q4_k"),
+            QuantType::Q5K => ours("exact_gemv_q5_k"),
+            QuantType::Q6K => ours("exact_gemv_q6_k"),
+            _ => None,
+        }
     }
 }
 
@@ -63,7 +87,7 @@ impl CustomOp1 for ExactGemv {
         x: &CudaStorage,
         layout: &Layout,
     ) -> candle_core::Result<(CudaStorage, Shape)> {
-        let Some(name) = Self::kernel(self.ty, self.cols) else {
+        let Some((name, source)) = Self::kernel(self.ty, self.cols) else {
             candle_core::bail!(
                 "exact-gemv: no kernel for {} rows of {}",
                 self.ty,
@@ -86,15 +110,23 @@ impl CustomOp1 for ExactGemv {
         }
         let dev = x.device().clone();
         let xs = x.as_cuda_slice::<f32>()?.slice(start..end);
-        let func = dev.get_or_load_func(name, &kernels::QUANTIZED)?;
+        let func = match source {
+            Source::Candle => dev.get_or_load_func(name, &kernels::QUANTIZED)?,
+            Source::ExactK => dev.get_or_load_custom_func(name, "exact_gemv_k", EXACT_K_PTX)?,
+        };
         // SAFETY: the kernel writes each of the `rows` outputs (one warp a row).
         let out = unsafe { dev.alloc::<f32>(self.rows)? };
         // The blocks as candle keeps them: `rows * cols` values of `ty` (and padding).
         let blocks = self.w.device_ptr()? as u64;
         let (cols, rows) = (self.cols as i32, self.rows as i32);
+        // One warp a row: candle's one a block, ours `K_ROWS_PER_BLOCK` a block.
+        let per_block = match source {
+            Source::Candle => 1,
+            Source::ExactK => K_ROWS_PER_BLOCK,
+        };
         let cfg = LaunchConfig {
-            grid_dim: (self.rows as u32, 1, 1),
-            block_dim: (32, 1, 1),
+            grid_dim: ((self.rows as u32).div_ceil(per_block), 1, 1),
+            block_dim: (32, per_block, 1),
             shared_mem_bytes: 0,
         };
         let mut launch = func.builder();

@@ -350,9 +350,9 @@ impl QuantWeight {
 
     /// `x W^T` on `x`'s device, for a weight placed there by [`QuantWeight::on`].
     ///
-    /// On CUDA, exact unless `int8`: one f32 row of a 32-value block type by candle's
-    /// f32-activation kernels (each value dequantized in registers, as gguf-py makes it);
-    /// otherwise the blocks dequantized there for the call (a transient f32 copy of this one
+    /// On CUDA, exact unless `int8`: one f32 row by candle's f32-activation kernels (the
+    /// 32-value block types) or this crate's (the K-quants), each value dequantized in
+    /// registers as gguf-py makes it ([`cuda_gemv::ExactGemv`]); otherwise the blocks dequantized there for the call (a transient f32 copy of this one
     /// weight), then the dense product in `x`'s dtype, as the CPU's fallback. With `int8`,
     /// and always on Metal (whose candle dequantizes on the host, a round trip per call):
     /// candle's quantized kernels, on f32 activations. CUDA's round them to 8 bits (q8_1, as
@@ -374,9 +374,9 @@ impl QuantWeight {
         Self::dequantized_product(on, x)
     }
 
-    /// `x W^T` for one f32 row on CUDA by candle's f32-activation kernels
-    /// ([`cuda_gemv::ExactGemv`]), each value gguf-py's; `None` for more rows, another dtype,
-    /// or a type or width those kernels do not take exactly.
+    /// `x W^T` for one f32 row on CUDA by the f32-activation kernels of
+    /// [`cuda_gemv::ExactGemv`], each value gguf-py's; `None` for more rows, another dtype,
+    /// or a type or width those kernels do not take.
     #[cfg(feature = "cuda")]
     fn exact_row_on_cuda(&self, on: &OnDevice, x: &Tensor) -> Result<Option<Tensor>> {
         use crate::weights::cuda_gemv::ExactGemv;
@@ -810,6 +810,56 @@ mod tests {
             checked.push(ty);
         }
         assert!(checked.len() >= 5, "block types checked: {checked:?}");
+        Ok(())
+    }
+
+    /// On CUDA (skipped without a device): one f32 row times every type of `types.gguf` by
+    /// the exact device route equals this crate's CPU product within f32 rounding, through
+    /// the one-row kernels wherever they take the type (every block type at 512 columns).
+    #[cfg(feature = "cuda")]
+    #[test]
+    fn exact_rows_on_cuda_are_the_cpu_products() -> Result<()> {
+        use crate::weights::cuda_gemv::ExactGemv;
+        let Ok(dev) = Device::new_cuda(0) else {
+            eprintln!("no CUDA device: skipped");
+            return Ok(());
+        };
+        let path =
+            std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/gguf/types.gguf");
+        let file = GgufFile::open(path)?;
+        let mut kernels = Vec::new();
+        for info in file.tensors() {
+            let (Ok(ty), [cols, rows]) = (info.dtype, info.ggml_dims.as_slice()) else {
+                continue;
+            };
+            let Some(q) = QuantWeight::from_gguf(&file, &info.name, *rows, *cols)? else {
+                continue;
+            };
+            let x = Tensor::from_vec(
+                crate::kernels::test_values(*cols, 3),
+                (1, *cols),
+                &Device::Cpu,
+            )?;
+            let want: Vec<f32> = q.forward(&x)?.flatten_all()?.to_vec1()?;
+            let on = q.on(&dev)?;
+            let got: Vec<f32> = on.forward(&x.to_device(&dev)?)?.flatten_all()?.to_vec1()?;
+            let scale = want.iter().fold(1e-3f32, |m, v| m.max(v.abs()));
+            for (g, w) in got.iter().zip(&want) {
+                assert!(
+                    (g - w).abs() <= 1e-5 * scale,
+                    "{} ({ty}): {g} vs {w}",
+                    info.name
+                );
+            }
+            if ExactGemv::kernel(ty, *cols).is_some() {
+                kernels.push(ty);
+            }
+        }
+        assert_eq!(
+            kernels.len(),
+            10,
+            "types through the one-row kernels: {kernels:?}"
+        );
         Ok(())
     }
 }
