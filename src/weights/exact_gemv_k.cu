@@ -49,31 +49,6 @@ static __device__ __forceinline__ float q3_k(const uint8_t *b, int v) {
     return __fmul_rn(dl, (float)(ql - hm));
 }
 
-// `{ f16 d; f16 dmin; u8 scales[12]; u8 qs[128] }`.
-static __device__ __forceinline__ float q4_k(const uint8_t *b, int v) {
-    const uint8_t *sc = b + 4, *qs = b + 16;
-    const int g = v / 32, i = v % 32;
-    int s, m;
-    scale_min_k4(g, sc, s, m);
-    const float dl = __fmul_rn(half_at(b, 0), (float)s);
-    const float ml = __fmul_rn(half_at(b, 2), (float)m);
-    const int q = (qs[32 * (g / 2) + i] >> (4 * (g % 2))) & 0x0F;
-    return __fsub_rn(__fmul_rn(dl, (float)q), ml);
-}
-
-// `{ f16 d; f16 dmin; u8 scales[12]; u8 qh[32]; u8 qs[128] }`.
-static __device__ __forceinline__ float q5_k(const uint8_t *b, int v) {
-    const uint8_t *sc = b + 4, *qh = b + 16, *qs = b + 48;
-    const int g = v / 32, i = v % 32;
-    int s, m;
-    scale_min_k4(g, sc, s, m);
-    const float dl = __fmul_rn(half_at(b, 0), (float)s);
-    const float ml = __fmul_rn(half_at(b, 2), (float)m);
-    const int h = ((qh[i] >> g) & 1) << 4;
-    const int q = ((qs[32 * (g / 2) + i] >> (4 * (g % 2))) & 0x0F) | h;
-    return __fsub_rn(__fmul_rn(dl, (float)q), ml);
-}
-
 // `{ u8 ql[128]; u8 qh[64]; i8 scales[16]; f16 d }`.
 static __device__ __forceinline__ float q6_k(const uint8_t *b, int v) {
     const uint8_t *ql = b, *qh = b + 128;
@@ -90,8 +65,6 @@ template <int T>
 static __device__ __forceinline__ float value(const uint8_t *b, int v) {
     if (T == 2) return q2_k(b, v);
     if (T == 3) return q3_k(b, v);
-    if (T == 4) return q4_k(b, v);
-    if (T == 5) return q5_k(b, v);
     return q6_k(b, v);
 }
 
@@ -125,6 +98,59 @@ static __device__ void gemv(const uint8_t *vx, const float *x, float *dst, int n
     }
 }
 
+// Q4_K (`{ f16 d; f16 dmin; u8 scales[12]; u8 qs[128] }`) and Q5_K (`FIVE`: `qh[32]` before
+// `qs`, bit `g` of `qh[i]` the fifth bit of value `i` of group `g`), each value `d sc q -
+// dmin m` as gguf-py makes it, summed as `gemv` sums, in another order: lane `t`
+// takes bytes `4 (t % 8)..4 (t % 8) + 4` of the quarter `p = t / 8` of a block's `qs` (one
+// 32-bit load), whose low nibbles are values of group `2 p` and high ones of `2 p + 1`, so
+// each lane works out two groups' scales and mins a block instead of one a value.
+template <bool FIVE>
+static __device__ void gemv_k4(const uint8_t *vx, const float *x, float *dst, int ncols, int nrows) {
+    const int row = blockIdx.x * blockDim.y + threadIdx.y;
+    if (row >= nrows) {
+        return;
+    }
+    const int bytes = FIVE ? 176 : 144;
+    const int qs_at = FIVE ? 48 : 16;
+    const int nb = ncols / QK_K;
+    const int p = threadIdx.x / 8, i0 = 4 * (threadIdx.x % 8);
+    const uint8_t *r = vx + (size_t)row * nb * bytes;
+    float acc = 0.0f;
+    // Four blocks an iteration: their loads in flight together (a warp's row was one
+    // load's latency after another: 2x the time; the generic loop above got slower so).
+#pragma unroll 4
+    for (int blk = 0; blk < nb; ++blk) {
+        const uint8_t *b = r + (size_t)blk * bytes;
+        const float d = half_at(b, 0), dmin = half_at(b, 2);
+        int s0, m0, s1, m1;
+        scale_min_k4(2 * p, b + 4, s0, m0);
+        scale_min_k4(2 * p + 1, b + 4, s1, m1);
+        const float dl0 = __fmul_rn(d, (float)s0), ml0 = __fmul_rn(dmin, (float)m0);
+        const float dl1 = __fmul_rn(d, (float)s1), ml1 = __fmul_rn(dmin, (float)m1);
+        // Blocks start on even bytes and these offsets are multiples of 4 from a multiple
+        // of 16 (144 and 176 are), so the 32-bit loads are aligned.
+        const uint32_t q4 = *(const uint32_t *)(b + qs_at + 32 * p + i0);
+        const uint32_t h4 = FIVE ? *(const uint32_t *)(b + 16 + i0) : 0u;
+        const float *x0 = x + blk * QK_K + 64 * p + i0;
+#pragma unroll
+        for (int j = 0; j < 4; ++j) {
+            const int byte = (q4 >> (8 * j)) & 0xFF;
+            const int hbyte = (h4 >> (8 * j)) & 0xFF;
+            const int lo = (byte & 0x0F) | (FIVE ? ((hbyte >> (2 * p)) & 1) << 4 : 0);
+            const int hi = (byte >> 4) | (FIVE ? ((hbyte >> (2 * p + 1)) & 1) << 4 : 0);
+            acc = __fmaf_rn(__fsub_rn(__fmul_rn(dl0, (float)lo), ml0), x0[j], acc);
+            acc = __fmaf_rn(__fsub_rn(__fmul_rn(dl1, (float)hi), ml1), x0[32 + j], acc);
+        }
+    }
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) {
+        acc = __fadd_rn(acc, __shfl_xor_sync(0xffffffffu, acc, o));
+    }
+    if (threadIdx.x == 0) {
+        dst[row] = acc;
+    }
+}
+
 extern "C" __global__ void exact_gemv_q2_k(const uint8_t *vx, const float *x, float *dst, int ncols, int nrows) {
     gemv<2, 84>(vx, x, dst, ncols, nrows);
 }
@@ -132,10 +158,10 @@ extern "C" __global__ void exact_gemv_q3_k(const uint8_t *vx, const float *x, fl
     gemv<3, 110>(vx, x, dst, ncols, nrows);
 }
 extern "C" __global__ void exact_gemv_q4_k(const uint8_t *vx, const float *x, float *dst, int ncols, int nrows) {
-    gemv<4, 144>(vx, x, dst, ncols, nrows);
+    gemv_k4<false>(vx, x, dst, ncols, nrows);
 }
 extern "C" __global__ void exact_gemv_q5_k(const uint8_t *vx, const float *x, float *dst, int ncols, int nrows) {
-    gemv<5, 176>(vx, x, dst, ncols, nrows);
+    gemv_k4<true>(vx, x, dst, ncols, nrows);
 }
 extern "C" __global__ void exact_gemv_q6_k(const uint8_t *vx, const float *x, float *dst, int ncols, int nrows) {
     gemv<6, 210>(vx, x, dst, ncols, nrows);
