@@ -204,9 +204,12 @@ pub(crate) fn silu_times_in_place(g: &mut [f32], u: &[f32]) {
     }
 }
 
-/// `y[j] = silu(g[j]) u[j]` for every `j`, written into `y` (all of it; `g`, `u` and `y` of
-/// one length), with the widest vectors the CPU has.
-pub(crate) fn silu_times_into(g: &[f32], u: &[f32], y: &mut [MaybeUninit<f32>]) {
+/// `y[j] = silu(g[j]) u[j]` for every `j`, written into all of `y`, with the widest vectors
+/// the CPU has; false, writing nothing, unless `g`, `u` and `y` are of one length.
+pub(crate) fn silu_times_into(g: &[f32], u: &[f32], y: &mut [MaybeUninit<f32>]) -> bool {
+    if g.len() != y.len() || u.len() != y.len() {
+        return false;
+    }
     match isa() {
         #[cfg(target_arch = "x86_64")]
         // SAFETY: the CPU has AVX-512F (checked by `isa`).
@@ -216,6 +219,7 @@ pub(crate) fn silu_times_into(g: &[f32], u: &[f32], y: &mut [MaybeUninit<f32>]) 
         Isa::Avx2 => unsafe { silu_into_avx2(g, u, y) },
         _ => silu_into_lanes(g, u, y),
     }
+    true
 }
 
 #[inline(always)]
@@ -305,7 +309,8 @@ mod tests {
         let mut in_place = grid.clone();
         silu_times_in_place(&mut in_place, &ones);
         let mut into = vec![MaybeUninit::new(f32::NAN); grid.len()];
-        silu_times_into(&grid, &ones, &mut into);
+        assert!(silu_times_into(&grid, &ones, &mut into));
+        assert!(!silu_times_into(&grid[1..], &ones, &mut into));
         let ulp = |x: f32| (f32::from_bits(x.abs().to_bits() + 1) - x.abs()) as f64;
         let (mut worst, mut worst_libm) = (0f64, 0f64);
         for ((&g, &a), b) in grid.iter().zip(&in_place).zip(&into) {

@@ -127,8 +127,8 @@ static __device__ void gemv_k4(const uint8_t *vx, const float *x, float *dst, in
         scale_min_k4(2 * p + 1, b + 4, s1, m1);
         const float dl0 = __fmul_rn(d, (float)s0), ml0 = __fmul_rn(dmin, (float)m0);
         const float dl1 = __fmul_rn(d, (float)s1), ml1 = __fmul_rn(dmin, (float)m1);
-        // Blocks start on even bytes and these offsets are multiples of 4 from a multiple
-        // of 16 (144 and 176 are), so the 32-bit loads are aligned.
+        // The blocks start on an aligned allocation, 144 or 176 bytes apart (multiples of
+        // 16), and these offsets in them are multiples of 4: aligned 32-bit loads.
         const uint32_t q4 = *(const uint32_t *)(b + qs_at + 32 * p + i0);
         const uint32_t h4 = FIVE ? *(const uint32_t *)(b + 16 + i0) : 0u;
         const float *x0 = x + blk * QK_K + 64 * p + i0;

@@ -475,12 +475,20 @@ impl QuantWeight {
             y.spare_capacity_mut()[..rows * i]
                 .par_chunks_mut(i)
                 .zip(gu.par_chunks(2 * i))
-                .for_each(|(y, gu)| {
+                .try_for_each(|(y, gu)| {
                     let (g, u) = gu.split_at(i);
-                    silu_times_into(g, u, y);
-                });
+                    if silu_times_into(g, u, y) {
+                        Ok(())
+                    } else {
+                        Err(Error::Kernel(format!(
+                            "gate and up of `{}`: rows apart",
+                            gate.name
+                        )))
+                    }
+                })?;
             // SAFETY: `gu` holds `rows` rows of `2 i` (checked above), so each of the `rows`
-            // chunks of `i` was written (no zeroing pass first).
+            // chunks of `i` was written whole (`silu_times_into` returned true for each; no
+            // zeroing pass first).
             unsafe { y.set_len(rows * i) };
             Ok(Some(y))
         })?;
@@ -860,6 +868,52 @@ mod tests {
             10,
             "types through the one-row kernels: {kernels:?}"
         );
+        // More rows than one launch block takes and a part block (37), and rows of 5 K-quant
+        // blocks (the unrolled loop's body and its rest): weights quantized by candle.
+        let (rows, cols) = (37, 1280);
+        let w = Tensor::from_vec(
+            crate::kernels::test_values(rows * cols, 11),
+            (rows, cols),
+            &Device::Cpu,
+        )?;
+        let x = Tensor::from_vec(
+            crate::kernels::test_values(cols, 5),
+            (1, cols),
+            &Device::Cpu,
+        )?;
+        for ty in [
+            QuantType::Q2K,
+            QuantType::Q3K,
+            QuantType::Q4K,
+            QuantType::Q5K,
+            QuantType::Q6K,
+            QuantType::Q4_1,
+        ] {
+            let q = QTensor::quantize(&w, ty.candle_dtype())?;
+            let q = QuantWeight {
+                blocks: Blocks::Owned(Arc::new(q.data()?.to_vec())),
+                name: format!("{ty}"),
+                ty,
+                rows,
+                cols,
+                on_device: None,
+            };
+            let want: Vec<f32> = q.forward(&x)?.flatten_all()?.to_vec1()?;
+            let got: Vec<f32> = q
+                .on(&dev)?
+                .forward(&x.to_device(&dev)?)?
+                .flatten_all()?
+                .to_vec1()?;
+            let scale = want.iter().fold(1e-3f32, |m, v| m.max(v.abs()));
+            assert_eq!(got.len(), rows);
+            for (g, w) in got.iter().zip(&want) {
+                assert!(
+                    (g - w).abs() <= 1e-5 * scale,
+                    "{ty} {rows} x {cols}: {g} vs {w}"
+                );
+            }
+            assert!(ExactGemv::kernel(ty, cols).is_some(), "{ty}");
+        }
         Ok(())
     }
 }
