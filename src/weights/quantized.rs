@@ -698,15 +698,7 @@ mod tests {
                 (rows, cols),
                 &Device::Cpu,
             )?;
-            let q = QTensor::quantize(&w, ty.candle_dtype())?;
-            parts.push(QuantWeight {
-                blocks: Blocks::Owned(Arc::new(q.data()?.to_vec())),
-                name: format!("part{i}"),
-                ty,
-                rows,
-                cols,
-                on_device: None,
-            });
+            parts.push(quantized_by_candle(&w, ty, &format!("part{i}"))?);
         }
         for rows in [1, 3, 7, 40, 70] {
             let x = Tensor::from_vec(
@@ -767,6 +759,36 @@ mod tests {
         Ok(())
     }
 
+    /// `w` `(rows, cols)` quantized to `ty` by candle, as a weight named `name`.
+    fn quantized_by_candle(w: &Tensor, ty: QuantType, name: &str) -> Result<QuantWeight> {
+        let (rows, cols) = w.dims2()?;
+        let q = QTensor::quantize(w, ty.candle_dtype())?;
+        Ok(QuantWeight {
+            blocks: Blocks::Owned(Arc::new(q.data()?.to_vec())),
+            name: name.to_string(),
+            ty,
+            rows,
+            cols,
+            on_device: None,
+        })
+    }
+
+    /// Every matrix of `tests/fixtures/gguf/types.gguf` stored in a block type (one of each,
+    /// 2 rows of 512).
+    fn block_type_weights() -> Result<Vec<QuantWeight>> {
+        let path =
+            std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/gguf/types.gguf");
+        let file = GgufFile::open(path)?;
+        let mut out = Vec::new();
+        for info in file.tensors() {
+            let (Ok(_), [cols, rows]) = (info.dtype, info.ggml_dims.as_slice()) else {
+                continue;
+            };
+            out.extend(QuantWeight::from_gguf(&file, &info.name, *rows, *cols)?);
+        }
+        Ok(out)
+    }
+
     /// What a CUDA or Metal device gets, checked on the CPU with candle's CPU backend: the
     /// blocks read as candle's `QTensor` dequantize to this crate's values bit for bit (same
     /// bytes, same `(rows, cols)`); the exact device product is this crate's within f32
@@ -774,31 +796,23 @@ mod tests {
     /// hundredths of its magnitude.
     #[test]
     fn the_blocks_a_device_gets_are_the_same_weight() -> Result<()> {
-        let path =
-            std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/gguf/types.gguf");
-        let file = GgufFile::open(path)?;
         let mut checked = Vec::new();
-        for info in file.tensors() {
-            let (Ok(ty), [cols, rows]) = (info.dtype, info.ggml_dims.as_slice()) else {
-                continue;
-            };
-            let Some(q) = QuantWeight::from_gguf(&file, &info.name, *rows, *cols)? else {
-                continue;
-            };
+        for q in block_type_weights()? {
+            let (ty, rows, cols) = (q.ty, q.rows, q.cols);
             let mine: Vec<f32> = q.dequantize(&Device::Cpu)?.flatten_all()?.to_vec1()?;
             let theirs = q.candle_qtensor(&Device::Cpu)?;
-            assert_eq!(theirs.shape().dims(), [*rows, *cols], "{}", info.name);
+            assert_eq!(theirs.shape().dims(), [rows, cols], "{}", q.name);
             let theirs: Vec<f32> = theirs.dequantize(&Device::Cpu)?.flatten_all()?.to_vec1()?;
             assert!(
                 mine.iter()
                     .zip(&theirs)
                     .all(|(a, b)| a.to_bits() == b.to_bits()),
                 "{}: candle's values differ",
-                info.name
+                q.name
             );
             let x = Tensor::from_vec(
                 crate::kernels::test_values(2 * cols, 7),
-                (2, *cols),
+                (2, cols),
                 &Device::Cpu,
             )?;
             let on = q.blocks_on(&Device::Cpu)?;
@@ -812,7 +826,7 @@ mod tests {
                 assert!(
                     diff <= tol * scale,
                     "{} ({ty}, {route}): {diff} against {scale}",
-                    info.name
+                    q.name
                 );
             }
             checked.push(ty);
@@ -832,20 +846,12 @@ mod tests {
             eprintln!("no CUDA device: skipped");
             return Ok(());
         };
-        let path =
-            std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/gguf/types.gguf");
-        let file = GgufFile::open(path)?;
         let mut kernels = Vec::new();
-        for info in file.tensors() {
-            let (Ok(ty), [cols, rows]) = (info.dtype, info.ggml_dims.as_slice()) else {
-                continue;
-            };
-            let Some(q) = QuantWeight::from_gguf(&file, &info.name, *rows, *cols)? else {
-                continue;
-            };
+        for q in block_type_weights()? {
+            let (ty, cols, name) = (q.ty, q.cols, q.name.clone());
             let x = Tensor::from_vec(
-                crate::kernels::test_values(*cols, 3),
-                (1, *cols),
+                crate::kernels::test_values(cols, 3),
+                (1, cols),
                 &Device::Cpu,
             )?;
             let want: Vec<f32> = q.forward(&x)?.flatten_all()?.to_vec1()?;
@@ -853,13 +859,9 @@ mod tests {
             let got: Vec<f32> = on.forward(&x.to_device(&dev)?)?.flatten_all()?.to_vec1()?;
             let scale = want.iter().fold(1e-3f32, |m, v| m.max(v.abs()));
             for (g, w) in got.iter().zip(&want) {
-                assert!(
-                    (g - w).abs() <= 1e-5 * scale,
-                    "{} ({ty}): {g} vs {w}",
-                    info.name
-                );
+                assert!((g - w).abs() <= 1e-5 * scale, "{name} ({ty}): {g} vs {w}");
             }
-            if ExactGemv::kernel(ty, *cols).is_some() {
+            if ExactGemv::kernel(ty, cols).is_some() {
                 kernels.push(ty);
             }
         }
@@ -889,15 +891,7 @@ mod tests {
             QuantType::Q6K,
             QuantType::Q4_1,
         ] {
-            let q = QTensor::quantize(&w, ty.candle_dtype())?;
-            let q = QuantWeight {
-                blocks: Blocks::Owned(Arc::new(q.data()?.to_vec())),
-                name: format!("{ty}"),
-                ty,
-                rows,
-                cols,
-                on_device: None,
-            };
+            let q = quantized_by_candle(&w, ty, &format!("{ty}"))?;
             let want: Vec<f32> = q.forward(&x)?.flatten_all()?.to_vec1()?;
             let got: Vec<f32> = q
                 .on(&dev)?
