@@ -49,6 +49,18 @@ static __device__ __forceinline__ float q3_k(const uint8_t *b, int v) {
     return __fmul_rn(dl, (float)(ql - hm));
 }
 
+// The warp's 32 partial sums added (a butterfly, every lane ends with the total), written
+// by lane 0 as `dst[row]`.
+static __device__ __forceinline__ void store_row_sum(float acc, float *dst, int row) {
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) {
+        acc = __fadd_rn(acc, __shfl_xor_sync(0xffffffffu, acc, o));
+    }
+    if (threadIdx.x == 0) {
+        dst[row] = acc;
+    }
+}
+
 template <int T>
 static __device__ __forceinline__ float value(const uint8_t *b, int v) {
     if (T == 2) return q2_k(b, v);
@@ -76,13 +88,7 @@ static __device__ void gemv(const uint8_t *vx, const float *x, float *dst, int n
             acc = __fmaf_rn(value<T>(b, v), xb[v], acc);
         }
     }
-#pragma unroll
-    for (int o = 16; o > 0; o >>= 1) {
-        acc = __fadd_rn(acc, __shfl_xor_sync(0xffffffffu, acc, o));
-    }
-    if (threadIdx.x == 0) {
-        dst[row] = acc;
-    }
+    store_row_sum(acc, dst, row);
 }
 
 // Q4_K (`{ f16 d; f16 dmin; u8 scales[12]; u8 qs[128] }`) and Q5_K (`FIVE`: `qh[32]` before
@@ -130,13 +136,7 @@ static __device__ void gemv_k4(const uint8_t *vx, const float *x, float *dst, in
             acc = __fmaf_rn(__fsub_rn(__fmul_rn(dl1, (float)hi), ml1), x0[32 + j], acc);
         }
     }
-#pragma unroll
-    for (int o = 16; o > 0; o >>= 1) {
-        acc = __fadd_rn(acc, __shfl_xor_sync(0xffffffffu, acc, o));
-    }
-    if (threadIdx.x == 0) {
-        dst[row] = acc;
-    }
+    store_row_sum(acc, dst, row);
 }
 
 // Q6_K (`{ u8 ql[128]; u8 qh[64]; i8 scales[16]; f16 d }`), each value `d sc (q - 32)` as
@@ -173,13 +173,7 @@ static __device__ void gemv_q6(const uint8_t *vx, const float *x, float *dst, in
             }
         }
     }
-#pragma unroll
-    for (int o = 16; o > 0; o >>= 1) {
-        acc = __fadd_rn(acc, __shfl_xor_sync(0xffffffffu, acc, o));
-    }
-    if (t == 0) {
-        dst[row] = acc;
-    }
+    store_row_sum(acc, dst, row);
 }
 
 extern "C" __global__ void exact_gemv_q2_k(const uint8_t *vx, const float *x, float *dst, int ncols, int nrows) {
