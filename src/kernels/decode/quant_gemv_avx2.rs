@@ -15,7 +15,7 @@ use crate::kernels::decode::quant_gemv::rows_dots_shape;
 #[cfg(target_arch = "x86_64")]
 use crate::kernels::decode::quant_gemv::ROW_KERNEL_TYPES;
 #[cfg(target_arch = "x86_64")]
-use crate::kernels::decode::quant_gemv_int8_avx2::{fifth_bits, nibbles};
+use crate::kernels::decode::quant_gemv_int8_avx2::{fifth_bit_set, fifth_bits, nibbles};
 #[cfg(target_arch = "x86_64")]
 use crate::kernels::quant::blocks::scales_mins_k4;
 use crate::kernels::quant::blocks::QuantType;
@@ -250,6 +250,18 @@ unsafe fn byte_groups<const SIGNED: bool>(v: __m256i) -> [__m256i; 4] {
     ]
 }
 
+/// [`nibbles`] with the 16 bytes broadcast to both lanes and the high lane shifted by 4 (per
+/// 32-bit word; the bits crossing in from a neighbour byte are masked off): three
+/// instructions for five, fewer on the shuffle pipes. Q5_0's exact kernel 4% faster for it
+/// on Zen 4, Q4_1's 7% slower (so only Q5_0 takes it).
+#[cfg(target_arch = "x86_64")]
+#[inline(always)]
+unsafe fn nibbles_by_shift(qs: *const u8) -> __m256i {
+    let b = _mm256_broadcastsi128_si256(_mm_loadu_si128(qs as *const __m128i));
+    let shifted = _mm256_srlv_epi32(b, _mm256_setr_epi32(0, 0, 0, 0, 4, 4, 4, 4));
+    _mm256_and_si256(shifted, _mm256_set1_epi8(0x0F))
+}
+
 /// The 32 values of the block at `b` as four groups of 8 lanes (values `8 g..8 g + 8`), each
 /// made as gguf-py makes it: `q * d`, `d * (q - 8)`, `d * q + m`, `d * (q - 16)`.
 ///
@@ -277,19 +289,22 @@ unsafe fn block_values<const K: u8>(b: *const u8) -> [__m256; 4] {
     };
     // The values as bytes in order (low nibbles, then high), with the 5-bit types' fifth
     // bits (bit j of `qh` for value j) put in; then 8 lanes at a time.
-    let mut v = nibbles(b.add(qs_at));
-    if K == Q5_0 || K == Q5_1 {
-        v = _mm256_or_si256(v, fifth_bits(b.add(if K == Q5_0 { 2 } else { 4 })));
-    }
     let mut w = [_mm256_setzero_ps(); 4];
     if K == Q5_0 {
+        let v = nibbles_by_shift(b.add(qs_at));
         // `d * (q - 16)`: the offset taken off the bytes once for the block (signed from
-        // then on; measured 7% faster than on the lanes, and Q4_0 the other way round).
-        let q = byte_groups::<true>(_mm256_sub_epi8(v, _mm256_set1_epi8(16)));
+        // then on; measured 7% faster than on the lanes, and Q4_0 the other way round),
+        // as `low - 16` where the fifth bit is clear, `low` where it is set.
+        let clear = _mm256_andnot_si256(fifth_bit_set(b.add(2)), _mm256_set1_epi8(-16));
+        let q = byte_groups::<true>(_mm256_add_epi8(v, clear));
         for (wg, lanes) in w.iter_mut().zip(q) {
             *wg = _mm256_mul_ps(d, _mm256_cvtepi32_ps(lanes));
         }
         return w;
+    }
+    let mut v = nibbles(b.add(qs_at));
+    if K == Q5_1 {
+        v = _mm256_or_si256(v, fifth_bits(b.add(4)));
     }
     let q = byte_groups::<false>(v);
     if K == Q4_0 {

@@ -95,11 +95,18 @@ pub(crate) unsafe fn nibbles(qs: *const u8) -> __m256i {
     _mm256_set_m128i(hi, lo)
 }
 
-/// 0x10 in byte `j` where bit `j` of the u32 at `qh` is set (the 5-bit types' high bits):
-/// each byte of the broadcast bits picked for its 8 lanes, then compared whole.
+/// 0x10 in byte `j` where bit `j` of the u32 at `qh` is set (the 5-bit types' high bits).
 #[cfg(target_arch = "x86_64")]
 #[inline(always)]
 pub(crate) unsafe fn fifth_bits(qh: *const u8) -> __m256i {
+    _mm256_and_si256(fifth_bit_set(qh), _mm256_set1_epi8(0x10))
+}
+
+/// 0xFF in byte `j` where bit `j` of the u32 at `qh` is set, else 0: each byte of the
+/// broadcast bits picked for its 8 lanes, then compared whole.
+#[cfg(target_arch = "x86_64")]
+#[inline(always)]
+pub(crate) unsafe fn fifth_bit_set(qh: *const u8) -> __m256i {
     use crate::kernels::decode::quant_gemv_vnni::read_u32;
     let bits = _mm256_set1_epi32(read_u32(qh) as i32);
     let spread = _mm256_shuffle_epi8(
@@ -113,8 +120,7 @@ pub(crate) unsafe fn fifth_bits(qh: *const u8) -> __m256i {
     );
     // All other bits of each byte set: the byte is 0xFF exactly where its own bit is.
     let others = _mm256_or_si256(spread, _mm256_set1_epi64x(0x7fbf_dfef_f7fb_fdfe));
-    let set = _mm256_cmpeq_epi8(others, _mm256_set1_epi64x(-1));
-    _mm256_and_si256(set, _mm256_set1_epi8(0x10))
+    _mm256_cmpeq_epi8(others, _mm256_set1_epi64x(-1))
 }
 
 /// One row of `K` blocks at `b0` against each of the `R` rows of `xs`: per block the byte
