@@ -250,6 +250,24 @@ unsafe fn byte_groups<const SIGNED: bool>(v: __m256i) -> [__m256i; 4] {
     ]
 }
 
+/// The 32 values of a 4-bit block's 16 bytes at `qs` as four groups of 8 i32 lanes (values
+/// `8 g..8 g + 8`: the low nibbles of bytes 0..8 and 8..16, then their high nibbles), each
+/// group from bytes widened as they are loaded: six instructions for [`nibbles`] and
+/// [`byte_groups`]' twelve.
+#[cfg(target_arch = "x86_64")]
+#[inline(always)]
+unsafe fn nibble_groups(qs: *const u8) -> [__m256i; 4] {
+    let a = _mm256_cvtepu8_epi32(_mm_loadl_epi64(qs as *const __m128i));
+    let b = _mm256_cvtepu8_epi32(_mm_loadl_epi64(qs.add(8) as *const __m128i));
+    let mask = _mm256_set1_epi32(0x0F);
+    [
+        _mm256_and_si256(a, mask),
+        _mm256_and_si256(b, mask),
+        _mm256_srli_epi32::<4>(a),
+        _mm256_srli_epi32::<4>(b),
+    ]
+}
+
 /// [`nibbles`] with the 16 bytes broadcast to both lanes and the high lane shifted by 4 (per
 /// 32-bit word; the bits crossing in from a neighbour byte are masked off): three
 /// instructions for five, fewer on the shuffle pipes. Q5_0's exact kernel 4% faster for it
@@ -302,11 +320,11 @@ unsafe fn block_values<const K: u8>(b: *const u8) -> [__m256; 4] {
         }
         return w;
     }
-    let mut v = nibbles(b.add(qs_at));
-    if K == Q5_1 {
-        v = _mm256_or_si256(v, fifth_bits(b.add(4)));
-    }
-    let q = byte_groups::<false>(v);
+    let q = if K == Q5_1 {
+        byte_groups::<false>(_mm256_or_si256(nibbles(b.add(qs_at)), fifth_bits(b.add(4))))
+    } else {
+        nibble_groups(b.add(qs_at))
+    };
     if K == Q4_0 {
         // `d * (q - 8)`: the offset on the integers (measured faster than folding it into a
         // fused `d * q - 8 d`, or taking it off the bytes).
@@ -374,22 +392,20 @@ pub(crate) unsafe fn q6_k_bytes(b: *const u8, h: usize, t: usize) -> __m256i {
     )
 }
 
-/// `acc += (dl * q - ml) * x` over 32 unsigned byte values `q` (gguf-py's Q4_K form: the
-/// product, then the difference, as one fused step: `dl * q` is exact), 8 at a time.
+/// `acc += (dl * q - ml) * x` over 32 values `q` in four groups of 8 i32 lanes (gguf-py's
+/// Q4_K form: the product, then the difference, as one fused step: `dl * q` is exact).
 #[cfg(target_arch = "x86_64")]
 #[inline]
 #[target_feature(enable = "avx2,fma,f16c")]
 unsafe fn fma_scaled_min<const R: usize>(
-    q: __m256i,
+    q: [__m256i; 4],
     dl: __m256,
     ml: __m256,
     x: *const f32,
     inp: usize,
     acc: &mut [[__m256; 4]; R],
 ) {
-    let halves = [_mm256_castsi256_si128(q), _mm256_extracti128_si256(q, 1)];
-    for g in 0..4 {
-        let lanes = byte_lanes::<false>(halves[g / 2], g % 2 == 1);
+    for (g, lanes) in q.into_iter().enumerate() {
         let w = _mm256_fmsub_ps(dl, _mm256_cvtepi32_ps(lanes), ml);
         for (r, a) in acc.iter_mut().enumerate() {
             a[g] = _mm256_fmadd_ps(w, _mm256_loadu_ps(x.add(r * inp + 8 * g)), a[g]);
@@ -406,7 +422,7 @@ unsafe fn fma_scaled_min<const R: usize>(
 unsafe fn dot_q4_k<const R: usize>(row: &[u8], xp: *const f32, inp: usize) -> [[__m256; 4]; R] {
     let bp = row.as_ptr();
     let mut acc = [[_mm256_setzero_ps(); 4]; R];
-    let nibbles = _mm256_set1_epi8(0x0F);
+    let nibble = _mm256_set1_epi32(0x0F);
     for blk in 0..inp / 256 {
         let b = bp.add(blk * 144);
         // `dl` (`d * sc`) and `ml` of the 8 groups, lane g for group g.
@@ -417,11 +433,14 @@ unsafe fn dot_q4_k<const R: usize>(row: &[u8], xp: *const f32, inp: usize) -> [[
         let dls = _mm256_mul_ps(_mm256_broadcastss_ps(dm), u8_floats(sc));
         let mls = _mm256_mul_ps(_mm256_broadcastss_ps(_mm_movehdup_ps(dm)), u8_floats(mins));
         for p in 0..4 {
-            let qs = _mm256_loadu_si256(b.add(16 + 32 * p) as *const __m256i);
-            let (ql, qh) = (
-                _mm256_and_si256(qs, nibbles),
-                _mm256_and_si256(_mm256_srli_epi16(qs, 4), nibbles),
-            );
+            // Bytes widened as they are loaded, 8 at a time: their low nibbles are group
+            // `2 p`'s values, their high ones group `2 p + 1`'s.
+            let qs = b.add(16 + 32 * p);
+            let bytes: [__m256i; 4] = std::array::from_fn(|c| {
+                _mm256_cvtepu8_epi32(_mm_loadl_epi64(qs.add(8 * c) as *const __m128i))
+            });
+            let ql = bytes.map(|v| _mm256_and_si256(v, nibble));
+            let qh = bytes.map(|v| _mm256_srli_epi32::<4>(v));
             let xg = xp.add(blk * 256 + 64 * p);
             for (half, q) in [ql, qh].into_iter().enumerate() {
                 let g = _mm256_set1_epi32((2 * p + half) as i32);
