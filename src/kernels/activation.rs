@@ -156,8 +156,10 @@ const EXP_MAX: f32 = 88.722_83;
 const EXP_FLOOR: f32 = -87.0;
 
 /// `e^x` as [`silu`] needs it: `x = n ln 2 + r` (Cody and Waite's two-part `ln 2`, `|r| <=
-/// ln 2 / 2`), `e^r` by Cephes' fit ([`EXP_FIT`]), times `2^n` in two exact steps (`n` reaches 128, past an f32's exponents); `+inf` above
-/// [`EXP_MAX`], `e^-87` below [`EXP_FLOOR`], NaN for NaN. Branch-free, so it vectorises.
+/// ln 2 / 2`), `e^r` by Cephes' fit ([`EXP_FIT`]), times `2^n` in two exact steps (`n`
+/// reaches 128, past an f32's exponents); `+inf` above [`EXP_MAX`], `e^-87` below
+/// [`EXP_FLOOR`], NaN for NaN. Branch-free, so it vectorises. (The GELU's `2^t` fit in
+/// place of Cephes' gave the SiLU 3.07 ulp at worst, past libm's 2.31.)
 #[inline(always)]
 fn exp_for_silu(x: f32) -> f32 {
     let xc = x.clamp(EXP_FLOOR, EXP_MAX);

@@ -60,12 +60,13 @@ pub(crate) fn run(
 ) -> Result<Option<Vec<f32>>> {
     // Packing K and V up front into micro-kernel panels costs a pass over them per call; it
     // pays when the packed keys are reused by many query rows. On AVX-512 see
-    // [`pack_min_keys_avx512`] (Intel Xeon: the panels ~12% faster at seq_k 4096). On AVX2 + FMA (AMD Zen 3, attention
-    // alone, 12 heads of 64, builds alternating, median of the per-round time ratios) the
-    // up-front panels took 1.56x the gemm crate's time at seq 32, 1.11x at 128, 1.01x at
-    // 256, 0.95x at 384 and at 512 (0.92x with the weights returned). Few keys instead go to
-    // panels each task packs for itself (32-key K panels, 8 x 8 transposes), which beat the
-    // gemm crate up to 64 keys ([`tile_products::PER_TASK_MAX_KEYS`]).
+    // [`pack_min_keys_avx512`] (Intel Xeon: the panels ~12% faster at seq_k 4096). On AVX2
+    // + FMA (AMD Zen 3, attention alone, 12 heads of 64, builds alternating, median of the
+    // per-round time ratios) the up-front panels took 1.56x the gemm crate's time at seq
+    // 32, 1.11x at 128, 1.01x at 256, 0.95x at 384 and at 512 (0.92x with the weights
+    // returned). Few keys instead go to panels each task packs for itself (32-key K panels,
+    // 8 x 8 transposes), which beat the gemm crate up to 64 keys
+    // ([`tile_products::PER_TASK_MAX_KEYS`]).
     let min_keys = if microkernel::avx512() {
         pack_min_keys_avx512()
     } else {

@@ -17,7 +17,7 @@ use candle_core::cuda_backend::{kernels, WrapErr};
 use candle_core::quantized::QTensor;
 use candle_core::{CpuStorage, CudaStorage, CustomOp1, Layout, Shape};
 
-use crate::kernels::quant::blocks::QuantType;
+use crate::kernels::quant::blocks::{QuantType, QK_K};
 
 /// Values a warp covers per step of its row in candle's kernels (their `2 *
 /// GGML_CUDA_DMMV_X`): a row of another width would read into the next row.
@@ -56,7 +56,7 @@ impl ExactGemv {
             return None;
         }
         let candle = |name| (cols % ROW_STEP == 0).then_some((name, Source::Candle));
-        let ours = |name| (cols % 256 == 0).then_some((name, Source::ExactK));
+        let ours = |name| (cols % QK_K == 0).then_some((name, Source::ExactK));
         match ty {
             QuantType::Q4_0 => candle("dequantize_mul_mat_vec_q4_0_cuda"),
             QuantType::Q4_1 => candle("dequantize_mul_mat_vec_q4_1_cuda"),

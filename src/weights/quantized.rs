@@ -352,8 +352,9 @@ impl QuantWeight {
     ///
     /// On CUDA, exact unless `int8`: one f32 row by candle's f32-activation kernels (the
     /// 32-value block types) or this crate's (the K-quants), each value dequantized in
-    /// registers as gguf-py makes it ([`cuda_gemv::ExactGemv`]); otherwise the blocks dequantized there for the call (a transient f32 copy of this one
-    /// weight), then the dense product in `x`'s dtype, as the CPU's fallback. With `int8`,
+    /// registers as gguf-py makes it ([`cuda_gemv::ExactGemv`]); otherwise the blocks
+    /// dequantized there for the call (a transient f32 copy of this one weight), then the
+    /// dense product in `x`'s dtype, as the CPU's fallback. With `int8`,
     /// and always on Metal (whose candle dequantizes on the host, a round trip per call):
     /// candle's quantized kernels, on f32 activations. CUDA's round them to 8 bits (q8_1, as
     /// llama.cpp); Metal's one-row product reads them as they are, its larger ones in half
@@ -442,10 +443,10 @@ impl QuantWeight {
 
     /// `silu(x W_g^T) * (x W_u^T)` (`silu(g) = g / (1 + e^-g)`, by
     /// [`crate::kernels::activation::silu`]) for f32 rows on the CPU, the same values as the
-    /// two products and that SiLU: a decode step's rows
-    /// in one pass over the threads whose tasks multiply their rows of both and combine them;
-    /// a prompt's as one packed product of the two weights stacked, then one pass combining
-    /// them; `Ok(None)` elsewhere (the caller composes the ops).
+    /// two products and that SiLU: a decode step's rows in one pass over the threads whose
+    /// tasks multiply their rows of both and combine them; a prompt's as one packed product
+    /// of the two weights stacked, then one pass combining them; `Ok(None)` elsewhere (the
+    /// caller composes the ops).
     pub(crate) fn forward_gated(gate: &Self, up: &Self, x: &Tensor) -> Result<Option<Tensor>> {
         if (gate.rows, gate.cols) != (up.rows, up.cols) || x.dim(D::Minus1)? != gate.cols {
             return Ok(None);
@@ -481,7 +482,7 @@ impl QuantWeight {
                         Ok(())
                     } else {
                         Err(Error::Kernel(format!(
-                            "gate and up of `{}`: rows apart",
+                            "gate and up of `{}`: rows of different lengths",
                             gate.name
                         )))
                     }

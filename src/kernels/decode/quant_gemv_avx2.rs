@@ -305,8 +305,9 @@ unsafe fn block_values<const K: u8>(b: *const u8) -> [__m256; 4] {
         Q5_0 => 6,
         _ => 8,
     };
-    // The values as bytes in order (low nibbles, then high), with the 5-bit types' fifth
-    // bits (bit j of `qh` for value j) put in; then 8 lanes at a time.
+    // The 5-bit types: the values as bytes in order (low nibbles, then high) with the fifth
+    // bits (bit j of `qh` for value j) put in, then 8 lanes at a time; the 4-bit ones from
+    // bytes widened as they load.
     let mut w = [_mm256_setzero_ps(); 4];
     if K == Q5_0 {
         let v = nibbles_by_shift(b.add(qs_at));
