@@ -144,6 +144,11 @@ pub enum Error {
     #[error("tokenizer: {0}")]
     Tokenizer(String),
 
+    /// A chat template that does not parse, or does not render a conversation (its own
+    /// `raise_exception`, or an expression it cannot evaluate).
+    #[error("{0}")]
+    ChatTemplate(String),
+
     /// A compute device that this build or this machine cannot provide.
     #[error("device `{requested}` is not available: {reason}")]
     Device {

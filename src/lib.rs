@@ -156,7 +156,7 @@ pub use models::resolver::{
     default_model_dir, Model, ModelFiles, ModelResolver, DEFAULT_MODEL_NAME,
 };
 pub use models::rope::{RopeConfig, RopeLayout, RopeScaling, RotaryEmbedding};
-pub use text::{EncodedBatch, EncodedText, TextEncoder};
+pub use text::{ChatMessage, ChatTemplate, EncodedBatch, EncodedText, TextEncoder};
 pub use weights::checkpoint::Checkpoint;
 pub use weights::config::{AttentionConfig, HfConfig};
 pub use weights::gguf::{GgufFile, GgufTensorInfo, GgufValue};

@@ -8,6 +8,11 @@ use tokenizers::{Tokenizer, TruncationParams};
 
 use crate::error::{Error, Result};
 
+mod chat;
+
+pub(crate) use chat::SPECIAL as SPECIAL_TOKENS;
+pub use chat::{ChatMessage, ChatTemplate};
+
 /// One encoded text (or text pair), before padding.
 #[derive(Debug, Clone, PartialEq)]
 pub struct EncodedText {

@@ -17,6 +17,17 @@ fn run(args: &[&str]) -> anyhow::Result<std::process::Output> {
         .output()?)
 }
 
+/// The JSON `generate` prints for `args`; an error with its stderr when it fails.
+fn run_json(args: &[&str]) -> anyhow::Result<serde_json::Value> {
+    let out = run(args)?;
+    anyhow::ensure!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    Ok(serde_json::from_str(String::from_utf8(out.stdout)?.trim())?)
+}
+
 #[test]
 fn json_ids_and_logits_equal_transformers() -> anyhow::Result<()> {
     let dir = TempDir::new("generate-cli")?;
@@ -126,13 +137,7 @@ fn stops_at_the_eos_token_unless_told_not_to() -> anyhow::Result<()> {
             "json",
         ];
         args.extend_from_slice(extra);
-        let out = run(&args)?;
-        anyhow::ensure!(
-            out.status.success(),
-            "{}",
-            String::from_utf8_lossy(&out.stderr)
-        );
-        let obj: serde_json::Value = serde_json::from_str(String::from_utf8(out.stdout)?.trim())?;
+        let obj = run_json(&args)?;
         Ok(obj["generated_ids"]
             .as_array()
             .into_iter()
@@ -239,5 +244,104 @@ fn text_output_and_prompt_text_need_a_tokenizer() -> anyhow::Result<()> {
     ])?;
     assert!(!out.status.success());
     assert!(String::from_utf8_lossy(&out.stderr).contains("/nonexistent/dir"));
+    Ok(())
+}
+
+/// `--chat`: the prompt in the directory's chat template (`tokenizer_config.json`), after
+/// `--system`'s message, tokenized with no special tokens added (the tokenizer would put
+/// `<s>` first); a model without a template, or `--system` without `--chat`, is refused.
+#[test]
+fn chat_puts_the_prompt_in_the_model_s_template() -> anyhow::Result<()> {
+    let dir = TempDir::new("generate-chat")?;
+    let fixture = repo_path("tests/fixtures/decoders/llama_gqa");
+    for name in ["config.json", "model.safetensors"] {
+        std::fs::copy(fixture.join(name), dir.file(name))?;
+    }
+    // A word-level vocabulary within the fixture's 128 ids; `<s>` added to every encoding.
+    let words = [
+        "<unk>",
+        "<s>",
+        "</s>",
+        "<|im_start|>",
+        "<|im_end|>",
+        "system",
+        "user",
+        "assistant",
+        "Be",
+        "brief",
+        "Hi",
+        "there",
+    ];
+    let vocab: serde_json::Map<String, serde_json::Value> = words
+        .iter()
+        .enumerate()
+        .map(|(i, w)| (w.to_string(), i.into()))
+        .collect();
+    let added: Vec<serde_json::Value> = (1..5)
+        .map(|i| {
+            serde_json::json!({"id": i, "content": words[i], "single_word": false, "lstrip": false,
+                "rstrip": false, "normalized": false, "special": true})
+        })
+        .collect();
+    let tokenizer = serde_json::json!({
+        "version": "1.0", "truncation": null, "padding": null, "added_tokens": added,
+        "normalizer": null, "pre_tokenizer": {"type": "Whitespace"},
+        "post_processor": {"type": "TemplateProcessing",
+            "single": [{"SpecialToken": {"id": "<s>", "type_id": 0}}, {"Sequence": {"id": "A", "type_id": 0}}],
+            "pair": [{"Sequence": {"id": "A", "type_id": 0}}, {"Sequence": {"id": "B", "type_id": 1}}],
+            "special_tokens": {"<s>": {"id": "<s>", "ids": [1], "tokens": ["<s>"]}}},
+        "decoder": null,
+        "model": {"type": "WordLevel", "vocab": vocab, "unk_token": "<unk>"}
+    });
+    dir.write("tokenizer.json", tokenizer.to_string().as_bytes())?;
+    let model = dir.0.to_str().unwrap_or_default().to_string();
+    let prompt_ids = |extra: &[&str]| -> anyhow::Result<Vec<u64>> {
+        let mut args = vec![
+            "--model",
+            &model,
+            "--prompt",
+            "Hi there",
+            "--max-new-tokens",
+            "1",
+        ];
+        args.extend_from_slice(&["--format", "json"]);
+        args.extend_from_slice(extra);
+        let json = run_json(&args)?;
+        Ok(json["prompt_ids"]
+            .as_array()
+            .map(|a| a.iter().filter_map(|v| v.as_u64()).collect())
+            .unwrap_or_default())
+    };
+    assert_eq!(prompt_ids(&[])?, [1, 10, 11]);
+
+    // No template yet: refused, naming where it was looked for.
+    let out = run(&["--model", &model, "--prompt", "Hi", "--chat"])?;
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success());
+    assert!(
+        err.contains("--chat needs a chat template") && err.contains("tokenizer_config.json"),
+        "{err}"
+    );
+
+    dir.write(
+        "tokenizer_config.json",
+        br#"{"chat_template": "{% for m in messages %}<|im_start|>{{ m.role }} {{ m.content }}<|im_end|>{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant {% endif %}"}"#,
+    )?;
+    assert_eq!(prompt_ids(&["--chat"])?, [3, 6, 10, 11, 4, 3, 7]);
+    assert_eq!(
+        prompt_ids(&["--chat", "--system", "Be brief"])?,
+        [3, 5, 8, 9, 4, 3, 6, 10, 11, 4, 3, 7]
+    );
+
+    // `--system` needs `--chat`, and `--chat` a text prompt.
+    for args in [
+        ["--system", "Be brief", "--prompt", "Hi"],
+        ["--chat", "--prompt-ids", "1,2", "--ignore-eos"],
+    ] {
+        let mut all = vec!["--model", model.as_str()];
+        all.extend_from_slice(&args);
+        let out = run(&all)?;
+        assert!(!out.status.success(), "{args:?}");
+    }
     Ok(())
 }

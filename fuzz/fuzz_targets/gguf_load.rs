@@ -1,5 +1,6 @@
 //! GGUF loading from arbitrary bytes: parsing, every metadata getter, every tensor's bytes
-//! and its dequantization, the configuration and the tokenizer from the metadata. Errors are fine; panics, aborts, hangs and allocations the bytes
+//! and its dequantization, the configuration, the tokenizer and the chat template from the
+//! metadata. Errors are fine; panics, aborts, hangs and allocations the bytes
 //! merely ask for are bugs.
 #![no_main]
 
@@ -27,4 +28,8 @@ fuzz_target!(|data: &[u8]| {
     // SentencePiece, merges from the file or derived from the scores, rope_freqs).
     let _ = candle_attention::LlamaConfig::from_gguf(&file);
     let _ = candle_attention::TextEncoder::from_gguf(&file);
+    // The chat template in the metadata, parsed and rendered (its work is bounded).
+    if let Ok(Some(template)) = candle_attention::ChatTemplate::from_gguf(&file) {
+        let _ = template.render(&[candle_attention::ChatMessage::new("user", "hi")], true);
+    }
 });
