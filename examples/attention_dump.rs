@@ -10,6 +10,10 @@
 //! cargo run --release --example attention_dump -- --explain grad --against "another" "a sentence"
 //! ```
 //!
+//! `--chat` puts each sentence in a decoder's chat template as the user's message (after
+//! `--system TEXT`'s), as `generate --chat` does: the attention over the prompt the model
+//! was trained to read.
+//!
 //! `--explain` adds an explanation beside the raw weights: `rollout` (attention rollout),
 //! `grad` (gradient-weighted relevance of the cosine similarity with `--against TEXT` for an
 //! encoder, of the next token's logit, or `--target-token ID`'s, for a decoder) or `norm`
@@ -30,8 +34,9 @@ use candle_attention::viz::{
     DumpSelection, ExplainMethod, Explanation, HeatmapStyle, HEATMAP_MAX_TOKENS,
 };
 use candle_attention::{
-    into_length_sorted_batches, parse_dtype, select_device, Checkpoint, EncodedText, GgufFile,
-    HfConfig, LlamaConfig, LlamaModel, Model, ModelFiles, ModelResolver, TextEncoder, WeightLayout,
+    into_length_sorted_batches, parse_dtype, select_device, ChatMessage, ChatTemplate, Checkpoint,
+    EncodedText, GgufFile, HfConfig, LlamaConfig, LlamaModel, Model, ModelFiles, ModelResolver,
+    TextEncoder, WeightLayout,
 };
 use candle_core::{DType, Device, Tensor};
 use clap::{Parser, ValueEnum};
@@ -119,6 +124,13 @@ struct Args {
     /// explained (default: the greedy next token).
     #[arg(long)]
     target_token: Option<u32>,
+    /// Each sentence as the user's message in a decoder's chat template (after --system's),
+    /// the assistant's turn opened, tokenized with no special tokens added.
+    #[arg(long)]
+    chat: bool,
+    /// With --chat: the system message before each sentence.
+    #[arg(long, requires = "chat")]
+    system: Option<String>,
 }
 
 fn main() -> ExitCode {
@@ -143,13 +155,16 @@ fn run(args: Args) -> anyhow::Result<()> {
         .model
         .as_deref()
         .filter(|m| m.to_ascii_lowercase().ends_with(".gguf"));
-    let net = match gguf {
+    let mut net = match gguf {
         Some(path) => Network::load_gguf(path.as_ref(), dtype, &device, args.truncate)?,
         None => {
             let files = ModelResolver::new().resolve(args.model.as_deref())?;
             Network::load(files, dtype, &device, args.truncate)?
         }
     };
+    if args.chat {
+        net.use_chat_template(args.system.clone())?;
+    }
     let (name, layers, heads) = net.shape();
     let explain = args
         .explain
@@ -495,7 +510,17 @@ enum Network {
         name: String,
         model: LlamaModel,
         text: TextEncoder,
+        /// Where its chat template is (`--chat`): the file, or the tokenizer's directory.
+        source: TemplateSource,
+        /// With `--chat`: the template, and the system message.
+        chat: Option<(ChatTemplate, Option<String>)>,
     },
+}
+
+/// Where a decoder's chat template is read from.
+enum TemplateSource {
+    Gguf(PathBuf),
+    Dir(PathBuf),
 }
 
 impl Network {
@@ -516,10 +541,17 @@ impl Network {
         if let Some(p) = cfg.max_position_embeddings {
             text = text.with_max_positions(p)?.with_truncation(truncate)?;
         }
+        let dir = files
+            .tokenizer
+            .parent()
+            .unwrap_or(Path::new("."))
+            .to_path_buf();
         Ok(Self::Decoder {
             name: files.name.clone(),
             model,
             text,
+            source: TemplateSource::Dir(dir),
+            chat: None,
         })
     }
 
@@ -540,7 +572,38 @@ impl Network {
             || path.display().to_string(),
             |n| n.to_string_lossy().into_owned(),
         );
-        Ok(Self::Decoder { name, model, text })
+        Ok(Self::Decoder {
+            name,
+            model,
+            text,
+            source: TemplateSource::Gguf(path.to_path_buf()),
+            chat: None,
+        })
+    }
+
+    /// Puts each sentence in the decoder's chat template from now on (`--chat`).
+    fn use_chat_template(&mut self, system: Option<String>) -> anyhow::Result<()> {
+        let Self::Decoder { source, chat, .. } = self else {
+            bail!("--chat takes a decoder (a LLaMA-family model) with a chat template");
+        };
+        let (template, place) = match source {
+            TemplateSource::Gguf(path) => (
+                ChatTemplate::from_gguf(&GgufFile::open_mapped(&*path)?)?,
+                format!("{} has no `tokenizer.chat_template`", path.display()),
+            ),
+            TemplateSource::Dir(dir) => (
+                ChatTemplate::from_dir(dir.as_path())?,
+                format!(
+                    "{} has no chat_template.jinja and no `chat_template` in tokenizer_config.json",
+                    dir.display()
+                ),
+            ),
+        };
+        *chat = Some((
+            template.with_context(|| format!("--chat needs a chat template: {place}"))?,
+            system,
+        ));
+        Ok(())
     }
 
     /// One sentence's explanation (see [`Explanation`]).
@@ -631,10 +694,22 @@ impl Network {
                     .map(|d| d.context("a sentence was left out of every batch"))
                     .collect()
             }
-            Self::Decoder { model, text, .. } => texts
+            Self::Decoder {
+                model, text, chat, ..
+            } => texts
                 .iter()
                 .map(|t| {
-                    let mut item = text.encode(t)?;
+                    let mut item = match chat {
+                        Some((template, system)) => {
+                            let mut messages = Vec::new();
+                            if let Some(s) = system {
+                                messages.push(ChatMessage::new("system", s.as_str()));
+                            }
+                            messages.push(ChatMessage::new("user", *t));
+                            text.encode_as_is(&template.render(&messages, true)?)?
+                        }
+                        None => text.encode(t)?,
+                    };
                     // (1, seq)
                     let ids = Tensor::new(item.ids.as_slice(), device)?.unsqueeze(0)?;
                     // Decoders park spare weight on the first token (an attention sink):

@@ -153,12 +153,19 @@ impl TextEncoder {
 
     /// Encodes one text with special tokens.
     pub fn encode(&self, text: &str) -> Result<EncodedText> {
-        self.encode_inner(text, None)
+        self.encode_inner(text, None, true)
+    }
+
+    /// Encodes one text with no special tokens added: a chat template's output
+    /// ([`ChatTemplate::render`]), which writes its own (those in the text are still read
+    /// as the tokens they name).
+    pub fn encode_as_is(&self, text: &str) -> Result<EncodedText> {
+        self.encode_inner(text, None, false)
     }
 
     /// Encodes a sentence pair (`[CLS] a [SEP] b [SEP]`, `type_ids` 0 then 1).
     pub fn encode_pair(&self, a: &str, b: &str) -> Result<EncodedText> {
-        self.encode_inner(a, Some(b))
+        self.encode_inner(a, Some(b), true)
     }
 
     /// Encodes several texts and pads them to the longest.
@@ -217,7 +224,7 @@ impl TextEncoder {
         })
     }
 
-    fn encode_inner(&self, text: &str, pair: Option<&str>) -> Result<EncodedText> {
+    fn encode_inner(&self, text: &str, pair: Option<&str>, special: bool) -> Result<EncodedText> {
         for t in std::iter::once(text).chain(pair) {
             if t.trim().is_empty() {
                 return Err(Error::Tokenizer(if t.is_empty() {
@@ -229,8 +236,8 @@ impl TextEncoder {
         }
         let tokenizer = &self.tokenizer;
         let enc = match pair {
-            None => tokenizer.encode(text, true),
-            Some(b) => tokenizer.encode((text, b), true),
+            None => tokenizer.encode(text, special),
+            Some(b) => tokenizer.encode((text, b), special),
         }
         .map_err(|e| Error::Tokenizer(format!("cannot encode {text:?}: {e}")))?;
         if let Some(max) = self.max_positions {

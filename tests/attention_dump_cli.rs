@@ -1369,3 +1369,80 @@ fn html_carries_the_explanation() -> anyhow::Result<()> {
     ensure!(page.contains("id=\"tab-explain\""), "no explanation tab");
     Ok(())
 }
+
+/// `--chat`: a decoder's sentence put in its chat template (the directory's
+/// `tokenizer_config.json`) after `--system`'s message, tokenized with no `<s>` added; the
+/// weights still causal rows summing to 1. Without a template, or on an encoder, an error.
+#[test]
+fn chat_dumps_the_templated_prompt() -> anyhow::Result<()> {
+    let dir = common::chat_decoder_dir("dump-chat")?;
+    let model = path_str(&dir.0)?;
+    let dump = |extra: &[&str]| -> anyhow::Result<serde_json::Value> {
+        let mut args = vec!["--model", model, "--format", "json"];
+        args.extend_from_slice(extra);
+        let out = Command::new(dump_bin()?).args(&args).output()?;
+        ensure!(
+            out.status.success(),
+            "{}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        Ok(serde_json::from_str(String::from_utf8(out.stdout)?.trim())?)
+    };
+    let tokens = |v: &serde_json::Value| -> Vec<String> {
+        v["tokens"]
+            .as_array()
+            .into_iter()
+            .flatten()
+            .filter_map(|t| t.as_str().map(str::to_string))
+            .collect()
+    };
+    assert_eq!(tokens(&dump(&["Hi there"])?), ["<s>", "Hi", "there"]);
+    expect_error(
+        &["--model", model, "--chat", "Hi there"],
+        &["--chat needs a chat template", "tokenizer_config.json"],
+    )?;
+    expect_error(&["--chat", "Hi there"], &["--chat takes a decoder"])?;
+
+    common::add_chat_template(&dir)?;
+    let v = dump(&["--chat", "--system", "Be brief", "Hi there"])?;
+    let want = [
+        "<|im_start|>",
+        "system",
+        "Be",
+        "brief",
+        "<|im_end|>",
+        "<|im_start|>",
+        "user",
+        "Hi",
+        "there",
+        "<|im_end|>",
+        "<|im_start|>",
+        "assistant",
+    ];
+    assert_eq!(tokens(&v), want);
+    assert_eq!(
+        v["text"],
+        "<|im_start|>system Be brief<|im_end|><|im_start|>user Hi there<|im_end|><|im_start|>assistant "
+    );
+    let n = want.len();
+    assert_eq!(v["shape"], serde_json::json!([2, 4, n, n]));
+    for layer in v["attentions"].as_array().into_iter().flatten() {
+        for head in layer.as_array().into_iter().flatten() {
+            for (q, row) in head.as_array().into_iter().flatten().enumerate() {
+                let row: Vec<f64> = row
+                    .as_array()
+                    .into_iter()
+                    .flatten()
+                    .filter_map(|x| x.as_f64())
+                    .collect();
+                assert_eq!(row.len(), n);
+                assert!(
+                    (row.iter().sum::<f64>() - 1.0).abs() < 1e-4,
+                    "row {q} sums to 1"
+                );
+                assert!(row[q + 1..].iter().all(|&x| x == 0.0), "row {q} is causal");
+            }
+        }
+    }
+    Ok(())
+}

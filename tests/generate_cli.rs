@@ -252,48 +252,7 @@ fn text_output_and_prompt_text_need_a_tokenizer() -> anyhow::Result<()> {
 /// `<s>` first); a model without a template, or `--system` without `--chat`, is refused.
 #[test]
 fn chat_puts_the_prompt_in_the_model_s_template() -> anyhow::Result<()> {
-    let dir = TempDir::new("generate-chat")?;
-    let fixture = repo_path("tests/fixtures/decoders/llama_gqa");
-    for name in ["config.json", "model.safetensors"] {
-        std::fs::copy(fixture.join(name), dir.file(name))?;
-    }
-    // A word-level vocabulary within the fixture's 128 ids; `<s>` added to every encoding.
-    let words = [
-        "<unk>",
-        "<s>",
-        "</s>",
-        "<|im_start|>",
-        "<|im_end|>",
-        "system",
-        "user",
-        "assistant",
-        "Be",
-        "brief",
-        "Hi",
-        "there",
-    ];
-    let vocab: serde_json::Map<String, serde_json::Value> = words
-        .iter()
-        .enumerate()
-        .map(|(i, w)| (w.to_string(), i.into()))
-        .collect();
-    let added: Vec<serde_json::Value> = (1..5)
-        .map(|i| {
-            serde_json::json!({"id": i, "content": words[i], "single_word": false, "lstrip": false,
-                "rstrip": false, "normalized": false, "special": true})
-        })
-        .collect();
-    let tokenizer = serde_json::json!({
-        "version": "1.0", "truncation": null, "padding": null, "added_tokens": added,
-        "normalizer": null, "pre_tokenizer": {"type": "Whitespace"},
-        "post_processor": {"type": "TemplateProcessing",
-            "single": [{"SpecialToken": {"id": "<s>", "type_id": 0}}, {"Sequence": {"id": "A", "type_id": 0}}],
-            "pair": [{"Sequence": {"id": "A", "type_id": 0}}, {"Sequence": {"id": "B", "type_id": 1}}],
-            "special_tokens": {"<s>": {"id": "<s>", "ids": [1], "tokens": ["<s>"]}}},
-        "decoder": null,
-        "model": {"type": "WordLevel", "vocab": vocab, "unk_token": "<unk>"}
-    });
-    dir.write("tokenizer.json", tokenizer.to_string().as_bytes())?;
+    let dir = common::chat_decoder_dir("generate-chat")?;
     let model = dir.0.to_str().unwrap_or_default().to_string();
     let prompt_ids = |extra: &[&str]| -> anyhow::Result<Vec<u64>> {
         let mut args = vec![
@@ -323,10 +282,7 @@ fn chat_puts_the_prompt_in_the_model_s_template() -> anyhow::Result<()> {
         "{err}"
     );
 
-    dir.write(
-        "tokenizer_config.json",
-        br#"{"chat_template": "{% for m in messages %}<|im_start|>{{ m.role }} {{ m.content }}<|im_end|>{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant {% endif %}"}"#,
-    )?;
+    common::add_chat_template(&dir)?;
     assert_eq!(prompt_ids(&["--chat"])?, [3, 6, 10, 11, 4, 3, 7]);
     assert_eq!(
         prompt_ids(&["--chat", "--system", "Be brief"])?,

@@ -309,3 +309,62 @@ pub fn greedy_run(
     let logits = logits.to_device(&Device::Cpu)?.flatten_all()?.to_vec1()?;
     Ok((logits, out))
 }
+
+/// A tiny decoder directory for `--chat` (`tests/fixtures/decoders/llama_gqa`'s config and
+/// weights) with a word-level tokenizer inside its 128 ids that puts `<s>` (1) first:
+/// `<unk> <s> </s> <|im_start|> <|im_end|> system user assistant Be brief Hi there` are ids
+/// 0..12, the four after `<unk>` special. No chat template yet ([`add_chat_template`]).
+pub fn chat_decoder_dir(tag: &str) -> anyhow::Result<TempDir> {
+    let dir = TempDir::new(tag)?;
+    let fixture = repo_path("tests/fixtures/decoders/llama_gqa");
+    for name in ["config.json", "model.safetensors"] {
+        std::fs::copy(fixture.join(name), dir.file(name))?;
+    }
+    let words = [
+        "<unk>",
+        "<s>",
+        "</s>",
+        "<|im_start|>",
+        "<|im_end|>",
+        "system",
+        "user",
+        "assistant",
+        "Be",
+        "brief",
+        "Hi",
+        "there",
+    ];
+    let vocab: serde_json::Map<String, Value> = words
+        .iter()
+        .enumerate()
+        .map(|(i, w)| (w.to_string(), i.into()))
+        .collect();
+    let added: Vec<Value> = (1..5)
+        .map(|i| {
+            serde_json::json!({"id": i, "content": words[i], "single_word": false, "lstrip": false,
+                "rstrip": false, "normalized": false, "special": true})
+        })
+        .collect();
+    let tokenizer = serde_json::json!({
+        "version": "1.0", "truncation": null, "padding": null, "added_tokens": added,
+        "normalizer": null, "pre_tokenizer": {"type": "Whitespace"},
+        "post_processor": {"type": "TemplateProcessing",
+            "single": [{"SpecialToken": {"id": "<s>", "type_id": 0}}, {"Sequence": {"id": "A", "type_id": 0}}],
+            "pair": [{"Sequence": {"id": "A", "type_id": 0}}, {"Sequence": {"id": "B", "type_id": 1}}],
+            "special_tokens": {"<s>": {"id": "<s>", "ids": [1], "tokens": ["<s>"]}}},
+        "decoder": null,
+        "model": {"type": "WordLevel", "vocab": vocab, "unk_token": "<unk>"}
+    });
+    dir.write("tokenizer.json", tokenizer.to_string().as_bytes())?;
+    Ok(dir)
+}
+
+/// A ChatML-like template in [`chat_decoder_dir`]'s `tokenizer_config.json`: `<|im_start|>`
+/// role, content, `<|im_end|>` per message, then `<|im_start|> assistant`.
+pub fn add_chat_template(dir: &TempDir) -> anyhow::Result<()> {
+    dir.write(
+        "tokenizer_config.json",
+        br#"{"chat_template": "{% for m in messages %}<|im_start|>{{ m.role }} {{ m.content }}<|im_end|>{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant {% endif %}"}"#,
+    )?;
+    Ok(())
+}
