@@ -78,6 +78,22 @@ JSON = """{%- for m in messages %}{{ m | tojson }}
 {{ messages[-1]['content'] | tojson(ensure_ascii=true) }}|{{ messages | length }}
 {%- if add_generation_prompt %}{{ bos_token }}{% endif %}"""
 
+# LLaMA 3.1's opening: variables transformers passes as None (`tools`, `documents`) and
+# ones it does not pass at all (`tools_in_user_message`, `date_string`).
+TOOLS = """{{- bos_token }}
+{%- if not tools_in_user_message is defined %}
+    {%- set tools_in_user_message = true %}
+{%- endif %}
+{%- if not date_string is defined %}
+    {%- set date_string = "26 Jul 2024" %}
+{%- endif %}
+{{- "tools: " + (tools is none) | string + ", " + (tools is not none) | string + ", documents: " + (documents is none) | string + "\n" }}
+{{- "in user message: " + tools_in_user_message | string + ", date: " + date_string + "\n" }}
+{%- for message in messages %}
+    {%- if loop.last and message.role == 'user' %}{{- 'last user: ' + message.content + '\n' }}{%- endif %}
+{%- endfor %}
+{%- if add_generation_prompt %}{{- 'assistant:' }}{%- endif %}"""
+
 CONVERSATIONS = [
     [{"role": "user", "content": "What is the capital of France?"}],
     [
@@ -122,6 +138,7 @@ def main() -> None:
         ("qwen2_style", QWEN2),
         ("gemma_style", GEMMA),
         ("json_style", JSON),
+        ("tools_style", TOOLS),
     ]
     cases = []
     for name, template in templates:

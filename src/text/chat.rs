@@ -178,6 +178,9 @@ impl ChatTemplate {
             "add_generation_prompt".into(),
             Value::from(add_generation_prompt),
         ));
+        // Passed as None by transformers (so `tools is not none` is false, not undefined's true).
+        vars.push(("tools".into(), Value::from(())));
+        vars.push(("documents".into(), Value::from(())));
         let context = Value::from_pairs(vars);
         template
             .render(context)
