@@ -94,6 +94,13 @@ TOOLS = """{{- bos_token }}
 {%- endfor %}
 {%- if add_generation_prompt %}{{- 'assistant:' }}{%- endif %}"""
 
+# transformers' `{% generation %}` blocks, next to a comment, a string and a raw block that
+# hold tag-like text.
+GENERATION = """{# a {% b #}{{ '{%' }}
+{%- for m in messages %}{% if m.role == 'assistant' %}{% generation %}[{{ m.content }}]{% endgeneration %}
+{%- else %}({{ m.content }}){% endif %}{% endfor %}
+{%- raw %}{% generation %}{% endraw %}{{ '|' ~ messages | join(', ', attribute='role') }}"""
+
 CONVERSATIONS = [
     [{"role": "user", "content": "What is the capital of France?"}],
     [
@@ -139,6 +146,7 @@ def main() -> None:
         ("gemma_style", GEMMA),
         ("json_style", JSON),
         ("tools_style", TOOLS),
+        ("generation_style", GENERATION),
     ]
     cases = []
     for name, template in templates:

@@ -68,6 +68,8 @@ pub struct TextEncoder {
     max_positions: Option<usize>,
     truncate: bool,
     pad_id: u32,
+    /// The ids of the special added tokens (`[CLS]`, `<|im_start|>`, ...).
+    special_ids: std::collections::HashSet<u32>,
 }
 
 impl std::fmt::Debug for TextEncoder {
@@ -110,11 +112,18 @@ impl TextEncoder {
             .with_truncation(None)
             .map_err(|e| Error::Tokenizer(e.to_string()))?;
         tokenizer.with_padding(None);
+        let special_ids = tokenizer
+            .get_added_tokens_decoder()
+            .into_iter()
+            .filter(|(_, t)| t.special)
+            .map(|(id, _)| id)
+            .collect();
         Ok(Self {
             tokenizer,
             max_positions: None,
             truncate: false,
             pad_id,
+            special_ids,
         })
     }
 
@@ -255,10 +264,13 @@ impl TextEncoder {
             type_ids: enc.get_type_ids().to_vec(),
             offsets: enc.get_offsets().to_vec(),
             word_ids: enc.get_word_ids().to_vec(),
+            // The tokens the tokenizer adds, and the special added tokens read from the text
+            // (a chat template writes its own, which the mask alone leaves out).
             special: enc
                 .get_special_tokens_mask()
                 .iter()
-                .map(|&s| s == 1)
+                .zip(enc.get_ids())
+                .map(|(&s, id)| s == 1 || self.special_ids.contains(id))
                 .collect(),
         })
     }

@@ -116,6 +116,16 @@ fn smollm2_s_template_from_its_gguf_gives_llama_cpp_ids() -> anyhow::Result<()> 
             .encode(rendered.as_str(), false)
             .map_err(|e| anyhow::anyhow!("{e}"))?;
         assert_eq!(Some(ids.get_ids()), case.ids.as_deref(), "{rendered:?}");
+        // The template's control tokens count as special (the tokenizer added none).
+        let item = text.encode_as_is(&rendered)?;
+        assert_eq!(item.ids, ids.get_ids());
+        for (token, special) in item.tokens.iter().zip(&item.special) {
+            assert_eq!(
+                *special,
+                token.starts_with("<|im_"),
+                "{token:?} in {rendered:?}"
+            );
+        }
         checked += 1;
     }
     assert_eq!(checked, 6);

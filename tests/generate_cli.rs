@@ -290,14 +290,25 @@ fn chat_puts_the_prompt_in_the_model_s_template() -> anyhow::Result<()> {
     );
 
     // `--system` needs `--chat`, and `--chat` a text prompt.
-    for args in [
-        ["--system", "Be brief", "--prompt", "Hi"],
-        ["--chat", "--prompt-ids", "1,2", "--ignore-eos"],
+    for (args, says) in [
+        (
+            ["--system", "Be brief", "--prompt", "Hi"],
+            "required arguments were not provided",
+        ),
+        (
+            ["--chat", "--prompt-ids", "1,2", "--ignore-eos"],
+            "cannot be used with",
+        ),
     ] {
         let mut all = vec!["--model", model.as_str()];
         all.extend_from_slice(&args);
         let out = run(&all)?;
+        let err = String::from_utf8_lossy(&out.stderr);
         assert!(!out.status.success(), "{args:?}");
+        assert!(
+            err.contains(says) && err.contains("--chat"),
+            "{args:?}: {err}"
+        );
     }
     Ok(())
 }

@@ -59,7 +59,15 @@ pub struct ChatTemplate {
 const FUEL: u64 = 20_000_000;
 
 /// The special tokens a template sees, by variable name.
-pub(crate) const SPECIAL: [&str; 4] = ["bos_token", "eos_token", "unk_token", "pad_token"];
+pub(crate) const SPECIAL: [&str; 7] = [
+    "bos_token",
+    "eos_token",
+    "unk_token",
+    "pad_token",
+    "sep_token",
+    "cls_token",
+    "mask_token",
+];
 
 impl ChatTemplate {
     /// The template `source` (Jinja); an error when it does not parse.
@@ -68,9 +76,19 @@ impl ChatTemplate {
             source: source.into(),
             special: Vec::new(),
         };
-        environment()
-            .template_from_str(&t.jinja())
-            .map_err(|e| template_error("does not parse", &e))?;
+        if t.source.len() > MAX_SOURCE {
+            return Err(Error::ChatTemplate(format!(
+                "the chat template is {} bytes, more than the {MAX_SOURCE} this crate reads",
+                t.source.len()
+            )));
+        }
+        let jinja = t.jinja();
+        on_big_stack(|| {
+            environment()
+                .template_from_str(&jinja)
+                .map(|_| ())
+                .map_err(|e| template_error("does not parse", &e))
+        })?;
         Ok(t)
     }
 
@@ -85,8 +103,8 @@ impl ChatTemplate {
     /// The template of a checkpoint directory `dir` (where its `tokenizer.json` is), as
     /// transformers finds it: `chat_template.jinja`, else `tokenizer_config.json`'s
     /// `chat_template` (a string, or a list of named templates, of which `default`); the
-    /// special tokens from `tokenizer_config.json` (strings or `{"content": ...}`). `None`
-    /// when there is no template.
+    /// special tokens from `tokenizer_config.json`, else `special_tokens_map.json` (strings
+    /// or `{"content": ...}`). `None` when there is no template.
     pub fn from_dir(dir: impl AsRef<Path>) -> Result<Option<Self>> {
         let dir = dir.as_ref();
         let read = |name: &str| -> Result<Option<String>> {
@@ -128,13 +146,20 @@ impl ChatTemplate {
             }
         };
         let mut t = Self::new(source)?;
-        for name in SPECIAL {
-            let token = match &config[name] {
-                serde_json::Value::String(s) => Some(s.as_str()),
-                serde_json::Value::Object(o) => o.get("content").and_then(|c| c.as_str()),
+        // The legacy `special_tokens_map.json` where the config names no such token.
+        let map: serde_json::Value = match read("special_tokens_map.json")? {
+            Some(text) => serde_json::from_str(&text).unwrap_or(serde_json::Value::Null),
+            None => serde_json::Value::Null,
+        };
+        let token_of = |v: &serde_json::Value| -> Option<String> {
+            match v {
+                serde_json::Value::String(s) => Some(s.clone()),
+                serde_json::Value::Object(o) => o.get("content")?.as_str().map(str::to_string),
                 _ => None,
-            };
-            if let Some(token) = token {
+            }
+        };
+        for name in SPECIAL {
+            if let Some(token) = token_of(&config[name]).or_else(|| token_of(&map[name])) {
                 t = t.with_special_token(name, token);
             }
         }
@@ -160,10 +185,20 @@ impl ChatTemplate {
     /// names what failed: a `raise_exception` of the template's (a conversation it does not
     /// take), or an expression it cannot evaluate.
     pub fn render(&self, messages: &[ChatMessage], add_generation_prompt: bool) -> Result<String> {
-        let env = environment();
         let jinja = self.jinja();
+        on_big_stack(|| self.render_on(&jinja, messages, add_generation_prompt))
+    }
+
+    /// [`ChatTemplate::render`] of `jinja` (the source as minijinja reads it).
+    fn render_on(
+        &self,
+        jinja: &str,
+        messages: &[ChatMessage],
+        add_generation_prompt: bool,
+    ) -> Result<String> {
+        let env = environment();
         let template = env
-            .template_from_str(&jinja)
+            .template_from_str(jinja)
             .map_err(|e| template_error("does not parse", &e))?;
         let mut vars: Vec<(String, Value)> = self
             .special
@@ -189,38 +224,113 @@ impl ChatTemplate {
 
     /// The source with transformers' `{% generation %}` / `{% endgeneration %}` tags (marking
     /// the assistant's tokens) as `{% if true %}` / `{% endif %}`: the same text rendered.
+    /// Comments, expressions, other tags (their quoted strings skipped) and `raw` blocks are
+    /// passed over as they are.
     fn jinja(&self) -> String {
-        let mut out = String::with_capacity(self.source.len());
-        let mut rest = self.source.as_str();
-        while let Some(at) = rest.find("{%") {
-            let tag = &rest[at..];
-            let Some(end) = tag[2..].find("%}").map(|e| e + 2) else {
+        let src = self.source.as_str();
+        let mut out = String::with_capacity(src.len());
+        let (mut copied, mut pos) = (0, 0);
+        while let Some(rel) = src[pos..].find('{') {
+            let at = pos + rel;
+            let end = match src.as_bytes().get(at + 1) {
+                Some(b'#') => src[at + 2..].find("#}").map(|e| at + 2 + e + 2),
+                Some(b'{') => tag_end(src, at + 2, "}}"),
+                Some(b'%') => tag_end(src, at + 2, "%}"),
+                _ => Some(at + 1),
+            };
+            let Some(end) = end else {
                 break;
             };
-            out.push_str(&rest[..at]);
-            let inner = &tag[2..end];
-            let (open, body) = match inner.strip_prefix(['-', '+']) {
-                Some(b) => (&inner[..1], b),
-                None => ("", inner),
-            };
-            let (body, close) = match body.strip_suffix(['-', '+']) {
-                Some(b) => (b, &body[body.len() - 1..]),
-                None => (body, ""),
-            };
-            let word = match body.trim() {
-                "generation" => Some("if true"),
-                "endgeneration" => Some("endif"),
-                _ => None,
-            };
-            match word {
-                Some(w) => out.push_str(&format!("{{%{open} {w} {close}%}}")),
-                None => out.push_str(&tag[..end + 2]),
+            pos = end;
+            if src.as_bytes().get(at + 1) != Some(&b'%') {
+                continue;
             }
-            rest = &tag[end + 2..];
+            let (open, word, close) = tag_words(&src[at + 2..end - 2]);
+            let replace = match word {
+                "generation" => "if true",
+                "endgeneration" => "endif",
+                "raw" => {
+                    // Up to the end of its `endraw` tag, untouched.
+                    pos = endraw(src, end).unwrap_or(src.len());
+                    continue;
+                }
+                _ => continue,
+            };
+            out.push_str(&src[copied..at]);
+            out.push_str(&format!("{{%{open} {replace} {close}%}}"));
+            copied = end;
         }
-        out.push_str(rest);
+        out.push_str(&src[copied..]);
         out
     }
+}
+
+/// The index just past `closer` from `from` on in `src`, quoted strings (`'...'`, `"..."`,
+/// backslash escapes) passed over; `None` when it does not close.
+fn tag_end(src: &str, from: usize, closer: &str) -> Option<usize> {
+    let bytes = src.as_bytes();
+    let mut i = from;
+    let mut quote: Option<u8> = None;
+    while i < bytes.len() {
+        match (quote, bytes[i]) {
+            (Some(_), b'\\') => i += 1,
+            (Some(q), c) if c == q => quote = None,
+            (None, c @ (b'\'' | b'"')) => quote = Some(c),
+            (None, _) if src[i..].starts_with(closer) => return Some(i + closer.len()),
+            _ => {}
+        }
+        i += 1;
+    }
+    None
+}
+
+/// A tag's inside (between `{%` and `%}`) as `(opening whitespace control, its one word or
+/// all its text, closing whitespace control)`.
+fn tag_words(inner: &str) -> (&str, &str, &str) {
+    let (open, body) = match inner.strip_prefix(['-', '+']) {
+        Some(b) => (&inner[..1], b),
+        None => ("", inner),
+    };
+    let (body, close) = match body.strip_suffix(['-', '+']) {
+        Some(b) => (b, &body[body.len() - 1..]),
+        None => (body, ""),
+    };
+    (open, body.trim(), close)
+}
+
+/// The index just past the `{% endraw %}` tag after `from`, if any.
+fn endraw(src: &str, from: usize) -> Option<usize> {
+    let mut pos = from;
+    while let Some(rel) = src[pos..].find("{%") {
+        let at = pos + rel;
+        let end = tag_end(src, at + 2, "%}")?;
+        if tag_words(&src[at + 2..end - 2]).1 == "endraw" {
+            return Some(end);
+        }
+        pos = end;
+    }
+    None
+}
+
+/// Largest chat template read, in bytes (real ones are a few KB, the longest ~20 KB).
+const MAX_SOURCE: usize = 256 * 1024;
+
+/// Stack of the thread a template is parsed and rendered on: minijinja recurses once per
+/// filter or subscript of a chain, which [`MAX_SOURCE`] bytes of template can make deep.
+const STACK: usize = 64 << 20;
+
+/// `f` on a thread of [`STACK`] bytes of stack.
+fn on_big_stack<T: Send>(f: impl FnOnce() -> Result<T> + Send) -> Result<T> {
+    std::thread::scope(|scope| {
+        let worker = std::thread::Builder::new()
+            .name("chat-template".into())
+            .stack_size(STACK)
+            .spawn_scoped(scope, f)
+            .map_err(|e| Error::ChatTemplate(format!("cannot start the template's thread: {e}")))?;
+        worker
+            .join()
+            .map_err(|_| Error::ChatTemplate("the template's thread failed".into()))?
+    })
 }
 
 /// An [`Error::ChatTemplate`] for a minijinja error.
@@ -260,18 +370,72 @@ fn environment() -> Environment<'static> {
             .map_err(|e| minijinja::Error::new(ErrorKind::InvalidOperation, e))
     });
     env.add_filter("tojson", tojson);
+    env.add_filter("join", join);
     env
 }
 
-/// Python's `json.dumps(value, ensure_ascii=False, indent=None, separators=None,
-/// sort_keys=False)` with those keyword arguments, as transformers' `tojson` filter.
+/// Widest `tojson` indent taken.
+const MAX_INDENT: usize = 64;
+
+/// Longest string `tojson` or `join` makes, in bytes: a template is a file's metadata, and
+/// minijinja's fuel counts steps, not a joined string's size.
+const MAX_OUTPUT: usize = 64 << 20;
+
+/// Jinja2's `join(value, d='', attribute=None)`: the items (or each one's `attribute`) as
+/// strings with `d` between them; an error past [`MAX_OUTPUT`] bytes.
+fn join(
+    value: Value,
+    d: Option<String>,
+    attribute: Option<String>,
+    kwargs: Kwargs,
+) -> std::result::Result<String, minijinja::Error> {
+    let d = match d {
+        Some(d) => d,
+        None => kwargs.get::<Option<String>>("d")?.unwrap_or_default(),
+    };
+    let attribute = match attribute {
+        Some(a) => Some(a),
+        None => kwargs.get::<Option<String>>("attribute")?,
+    };
+    kwargs.assert_all_used()?;
+    let mut out = String::new();
+    for (i, item) in value.try_iter()?.enumerate() {
+        let item = match &attribute {
+            Some(a) => item.get_attr(a)?,
+            None => item,
+        };
+        if i > 0 {
+            out.push_str(&d);
+        }
+        match item.as_str() {
+            Some(s) => out.push_str(s),
+            None => out.push_str(&item.to_string()),
+        }
+        if out.len() > MAX_OUTPUT {
+            return Err(minijinja::Error::new(
+                ErrorKind::InvalidOperation,
+                format!("join: more than {MAX_OUTPUT} bytes"),
+            ));
+        }
+    }
+    Ok(out)
+}
+
+/// Python's `json.dumps(value, ensure_ascii=False, indent=None, sort_keys=False)` with those
+/// keyword arguments, as transformers' `tojson` filter (its `separators=` is not taken).
 fn tojson(value: Value, kwargs: Kwargs) -> std::result::Result<String, minijinja::Error> {
     let indent: Option<usize> = kwargs.get("indent")?;
     let ensure_ascii: Option<bool> = kwargs.get("ensure_ascii")?;
     let sort_keys: Option<bool> = kwargs.get("sort_keys")?;
+    // `separators=` (Python's) is not taken: an error names it.
     kwargs.assert_all_used()?;
-    let bad =
-        |e: serde_json::Error| minijinja::Error::new(ErrorKind::InvalidOperation, e.to_string());
+    let invalid = |m: String| minijinja::Error::new(ErrorKind::InvalidOperation, m);
+    if let Some(n) = indent.filter(|&n| n > MAX_INDENT) {
+        return Err(invalid(format!(
+            "tojson: an indent of {n} (at most {MAX_INDENT} here)"
+        )));
+    }
+    let bad = |e: serde_json::Error| invalid(e.to_string());
     // Keys in the template's order (minijinja keeps it), or sorted.
     let out = match sort_keys {
         Some(true) => {
@@ -282,8 +446,13 @@ fn tojson(value: Value, kwargs: Kwargs) -> std::result::Result<String, minijinja
         _ => write_json(&value, indent),
     }
     .map_err(bad)?;
-    let text = String::from_utf8(out)
-        .map_err(|e| minijinja::Error::new(ErrorKind::InvalidOperation, e.to_string()))?;
+    if out.len() > MAX_OUTPUT {
+        return Err(invalid(format!(
+            "tojson: {} bytes (at most {MAX_OUTPUT} here)",
+            out.len()
+        )));
+    }
+    let text = String::from_utf8(out).map_err(|e| invalid(e.to_string()))?;
     Ok(if ensure_ascii == Some(true) {
         escape_non_ascii(&text)
     } else {
@@ -334,7 +503,8 @@ fn write_json<T: Serialize>(value: &T, indent: Option<usize>) -> serde_json::Res
 fn escape_non_ascii(text: &str) -> String {
     let mut out = String::with_capacity(text.len());
     for c in text.chars() {
-        if c.is_ascii() {
+        // Python's `ensure_ascii` escapes DEL too (it keeps ' ' to '~' only).
+        if c.is_ascii() && c != '\x7f' {
             out.push(c);
         } else {
             let mut units = [0u16; 2];
@@ -559,6 +729,28 @@ mod tests {
             matches!(e, Err(Error::ChatTemplate(ref m)) if m.contains("fuel")),
             "{e:?}"
         );
+        Ok(())
+    }
+
+    /// A template asks for sizes the renderer refuses: a huge indent, a huge joined string,
+    /// a huge source; a long filter chain runs on the template's own deep stack.
+    #[test]
+    fn a_template_s_sizes_are_bounded() -> Result<()> {
+        let refused = |source: &str, what: &str| {
+            let e = ChatTemplate::new(source).and_then(|t| t.render(&[], true));
+            assert!(
+                matches!(e, Err(Error::ChatTemplate(ref m)) if m.contains(what)),
+                "{source:.60}: {e:?}"
+            );
+        };
+        refused("{{ [1] | tojson(indent=100000000000) }}", "indent");
+        refused(
+            "{% set s = 'x' * 10000000 %}{{ ([s] * 1000) | join | length }}",
+            "join",
+        );
+        refused(&"x".repeat(MAX_SOURCE + 1), "bytes");
+        let chain = format!("{{{{ 'a'{} }}}}", "|trim".repeat(20_000));
+        assert_eq!(ChatTemplate::new(chain)?.render(&[], true)?, "a");
         Ok(())
     }
 
