@@ -276,7 +276,9 @@ fn tag_end(src: &str, from: usize, closer: &str) -> Option<usize> {
             (Some(_), b'\\') => i += 1,
             (Some(q), c) if c == q => quote = None,
             (None, c @ (b'\'' | b'"')) => quote = Some(c),
-            (None, _) if src[i..].starts_with(closer) => return Some(i + closer.len()),
+            (None, _) if bytes[i..].starts_with(closer.as_bytes()) => {
+                return Some(i + closer.len())
+            }
             _ => {}
         }
         i += 1;
@@ -693,6 +695,9 @@ mod tests {
             "{%-%}",
             "{%--%}",
             "{%%}",
+            // Quotes, escapes and multi-byte characters inside a tag, unclosed.
+            "{% set Ң\\Ң 'Ң\\Ң' ",
+            "{{ \"Ң\\",
         ] {
             let t = ChatTemplate {
                 source: source.into(),
