@@ -34,9 +34,9 @@ use candle_attention::viz::{
     DumpSelection, ExplainMethod, Explanation, HeatmapStyle, HEATMAP_MAX_TOKENS,
 };
 use candle_attention::{
-    into_length_sorted_batches, parse_dtype, select_device, ChatMessage, ChatTemplate, Checkpoint,
-    EncodedText, GgufFile, HfConfig, LlamaConfig, LlamaModel, Model, ModelFiles, ModelResolver,
-    TextEncoder, WeightLayout,
+    into_length_sorted_batches, parse_dtype, select_device, ChatTemplate, Checkpoint, EncodedText,
+    GgufFile, HfConfig, LlamaConfig, LlamaModel, Model, ModelFiles, ModelResolver, TextEncoder,
+    WeightLayout,
 };
 use candle_core::{DType, Device, Tensor};
 use clap::{Parser, ValueEnum};
@@ -155,16 +155,15 @@ fn run(args: Args) -> anyhow::Result<()> {
         .model
         .as_deref()
         .filter(|m| m.to_ascii_lowercase().ends_with(".gguf"));
-    let mut net = match gguf {
-        Some(path) => Network::load_gguf(path.as_ref(), dtype, &device, args.truncate)?,
+    // With --chat: the system message (if any) each sentence follows.
+    let chat = args.chat.then(|| args.system.clone());
+    let net = match gguf {
+        Some(path) => Network::load_gguf(path.as_ref(), dtype, &device, args.truncate, chat)?,
         None => {
             let files = ModelResolver::new().resolve(args.model.as_deref())?;
-            Network::load(files, dtype, &device, args.truncate)?
+            Network::load(files, dtype, &device, args.truncate, chat)?
         }
     };
-    if args.chat {
-        net.use_chat_template(args.system.clone())?;
-    }
     let (name, layers, heads) = net.shape();
     let explain = args
         .explain
@@ -510,17 +509,23 @@ enum Network {
         name: String,
         model: LlamaModel,
         text: TextEncoder,
-        /// Where its chat template is (`--chat`): the file, or the tokenizer's directory.
-        source: TemplateSource,
         /// With `--chat`: the template, and the system message.
         chat: Option<(ChatTemplate, Option<String>)>,
     },
 }
 
-/// Where a decoder's chat template is read from.
-enum TemplateSource {
-    Gguf(PathBuf),
-    Dir(PathBuf),
+/// The chat template `--chat` asked for (`chat`: the system message, if any), or why there
+/// is none (`place`: where it was looked for).
+fn chat_template(
+    found: Option<ChatTemplate>,
+    chat: Option<Option<String>>,
+    place: impl FnOnce() -> String,
+) -> anyhow::Result<Option<(ChatTemplate, Option<String>)>> {
+    let Some(system) = chat else {
+        return Ok(None);
+    };
+    let template = found.with_context(|| format!("--chat needs a chat template: {}", place()))?;
+    Ok(Some((template, system)))
 }
 
 impl Network {
@@ -529,9 +534,13 @@ impl Network {
         dtype: DType,
         device: &Device,
         truncate: bool,
+        chat: Option<Option<String>>,
     ) -> anyhow::Result<Self> {
         let hf = HfConfig::from_file(&files.config)?;
         if hf.layout()? != WeightLayout::Llama {
+            if chat.is_some() {
+                bail!("--chat takes a decoder (a LLaMA-family model) with a chat template");
+            }
             return Ok(Self::Encoder(Model::load(files, dtype, device, truncate)?));
         }
         let cfg = LlamaConfig::from_file(&files.config)?;
@@ -541,17 +550,22 @@ impl Network {
         if let Some(p) = cfg.max_position_embeddings {
             text = text.with_max_positions(p)?.with_truncation(truncate)?;
         }
-        let dir = files
-            .tokenizer
-            .parent()
-            .unwrap_or(Path::new("."))
-            .to_path_buf();
+        let dir = files.tokenizer.parent().unwrap_or(Path::new("."));
+        let found = match chat {
+            Some(_) => ChatTemplate::from_dir(dir)?,
+            None => None,
+        };
+        let chat = chat_template(found, chat, || {
+            format!(
+                "{} has no chat_template.jinja and no `chat_template` in tokenizer_config.json",
+                dir.display()
+            )
+        })?;
         Ok(Self::Decoder {
             name: files.name.clone(),
             model,
             text,
-            source: TemplateSource::Dir(dir),
-            chat: None,
+            chat,
         })
     }
 
@@ -561,6 +575,7 @@ impl Network {
         dtype: DType,
         device: &Device,
         truncate: bool,
+        chat: Option<Option<String>>,
     ) -> anyhow::Result<Self> {
         let file = GgufFile::open_for(path, device)?;
         let model = LlamaModel::from_gguf_file(&file, dtype, device)?;
@@ -572,38 +587,19 @@ impl Network {
             || path.display().to_string(),
             |n| n.to_string_lossy().into_owned(),
         );
+        let found = match chat {
+            Some(_) => ChatTemplate::from_gguf(&file)?,
+            None => None,
+        };
+        let chat = chat_template(found, chat, || {
+            format!("{} has no `tokenizer.chat_template`", path.display())
+        })?;
         Ok(Self::Decoder {
             name,
             model,
             text,
-            source: TemplateSource::Gguf(path.to_path_buf()),
-            chat: None,
+            chat,
         })
-    }
-
-    /// Puts each sentence in the decoder's chat template from now on (`--chat`).
-    fn use_chat_template(&mut self, system: Option<String>) -> anyhow::Result<()> {
-        let Self::Decoder { source, chat, .. } = self else {
-            bail!("--chat takes a decoder (a LLaMA-family model) with a chat template");
-        };
-        let (template, place) = match source {
-            TemplateSource::Gguf(path) => (
-                ChatTemplate::from_gguf(&GgufFile::open_mapped(&*path)?)?,
-                format!("{} has no `tokenizer.chat_template`", path.display()),
-            ),
-            TemplateSource::Dir(dir) => (
-                ChatTemplate::from_dir(dir.as_path())?,
-                format!(
-                    "{} has no chat_template.jinja and no `chat_template` in tokenizer_config.json",
-                    dir.display()
-                ),
-            ),
-        };
-        *chat = Some((
-            template.with_context(|| format!("--chat needs a chat template: {place}"))?,
-            system,
-        ));
-        Ok(())
     }
 
     /// One sentence's explanation (see [`Explanation`]).
@@ -701,12 +697,7 @@ impl Network {
                 .map(|t| {
                     let mut item = match chat {
                         Some((template, system)) => {
-                            let mut messages = Vec::new();
-                            if let Some(s) = system {
-                                messages.push(ChatMessage::new("system", s.as_str()));
-                            }
-                            messages.push(ChatMessage::new("user", *t));
-                            text.encode_as_is(&template.render(&messages, true)?)?
+                            text.encode_as_is(&template.render_turn(system.as_deref(), t)?)?
                         }
                         None => text.encode(t)?,
                     };

@@ -34,7 +34,7 @@ use std::time::Instant;
 
 use anyhow::{bail, Context};
 use candle_attention::{
-    parse_dtype, select_device, ChatMessage, ChatTemplate, GgufFile, LlamaModel, TextEncoder,
+    parse_dtype, select_device, ChatTemplate, GgufFile, LlamaModel, TextEncoder,
 };
 use candle_core::{DType, Device, IndexOp, Tensor};
 use clap::{Parser, ValueEnum};
@@ -192,12 +192,7 @@ fn chat_prompt(args: &Args, gguf: Option<&GgufFile>, user: &str) -> anyhow::Resu
             args.model.display()
         )
     })?;
-    let mut messages = Vec::new();
-    if let Some(system) = &args.system {
-        messages.push(ChatMessage::new("system", system.as_str()));
-    }
-    messages.push(ChatMessage::new("user", user));
-    Ok(template.render(&messages, true)?)
+    Ok(template.render_turn(args.system.as_deref(), user)?)
 }
 
 fn run(args: Args) -> anyhow::Result<()> {

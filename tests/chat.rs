@@ -178,6 +178,21 @@ fn a_checkpoint_directory_s_template_is_found_as_transformers_finds_it() -> anyh
     let t = ChatTemplate::from_dir(&dir)?.ok_or_else(|| anyhow::anyhow!("a template"))?;
     assert_eq!(t.render(&message, true)?, "file");
 
+    // The legacy special_tokens_map.json where the config names no token; read, not guessed.
+    std::fs::write(
+        dir.join("special_tokens_map.json"),
+        r#"{"bos_token": "<b>"}"#,
+    )?;
+    std::fs::write(dir.join("chat_template.jinja"), "{{ bos_token }}")?;
+    let t = ChatTemplate::from_dir(&dir)?.ok_or_else(|| anyhow::anyhow!("a template"))?;
+    assert_eq!(t.render_turn(None, "hi")?, "<b>");
+    std::fs::write(dir.join("special_tokens_map.json"), "{")?;
+    assert!(matches!(
+        ChatTemplate::from_dir(&dir),
+        Err(Error::Config { .. })
+    ));
+    std::fs::remove_file(dir.join("special_tokens_map.json"))?;
+
     // A template that does not parse: an error naming it.
     std::fs::write(dir.join("chat_template.jinja"), "{% if %}")?;
     assert!(matches!(

@@ -115,14 +115,18 @@ impl ChatTemplate {
                 Err(cause) => Err(Error::Io { path, cause }),
             }
         };
-        let config_path = dir.join("tokenizer_config.json");
-        let config: serde_json::Value = match read("tokenizer_config.json")? {
-            Some(text) => serde_json::from_str(&text).map_err(|e| Error::Config {
-                path: Some(config_path.clone()),
-                message: format!("not JSON: {e}"),
-            })?,
-            None => serde_json::Value::Null,
+        // A JSON file of `dir`, `Null` where there is none.
+        let json = |name: &str| -> Result<serde_json::Value> {
+            match read(name)? {
+                Some(text) => serde_json::from_str(&text).map_err(|e| Error::Config {
+                    path: Some(dir.join(name)),
+                    message: format!("not JSON: {e}"),
+                }),
+                None => Ok(serde_json::Value::Null),
+            }
         };
+        let config_path = dir.join("tokenizer_config.json");
+        let config = json("tokenizer_config.json")?;
         let bad = |message: String| Error::Config {
             path: Some(config_path.clone()),
             message,
@@ -147,10 +151,7 @@ impl ChatTemplate {
         };
         let mut t = Self::new(source)?;
         // The legacy `special_tokens_map.json` where the config names no such token.
-        let map: serde_json::Value = match read("special_tokens_map.json")? {
-            Some(text) => serde_json::from_str(&text).unwrap_or(serde_json::Value::Null),
-            None => serde_json::Value::Null,
-        };
+        let map = json("special_tokens_map.json")?;
         let token_of = |v: &serde_json::Value| -> Option<String> {
             match v {
                 serde_json::Value::String(s) => Some(s.clone()),
@@ -187,6 +188,17 @@ impl ChatTemplate {
     pub fn render(&self, messages: &[ChatMessage], add_generation_prompt: bool) -> Result<String> {
         let jinja = self.jinja();
         on_big_stack(|| self.render_on(&jinja, messages, add_generation_prompt))
+    }
+
+    /// The prompt of one user turn: `user`'s message after `system`'s (where given), the
+    /// assistant's turn opened (`render` with `add_generation_prompt`).
+    pub fn render_turn(&self, system: Option<&str>, user: &str) -> Result<String> {
+        let mut messages = Vec::with_capacity(2);
+        if let Some(system) = system {
+            messages.push(ChatMessage::new("system", system));
+        }
+        messages.push(ChatMessage::new("user", user));
+        self.render(&messages, true)
     }
 
     /// [`ChatTemplate::render`] of `jinja` (the source as minijinja reads it).
