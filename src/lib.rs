@@ -160,6 +160,7 @@ pub use text::{ChatMessage, ChatTemplate, EncodedBatch, EncodedText, TextEncoder
 pub use weights::checkpoint::Checkpoint;
 pub use weights::config::{AttentionConfig, HfConfig};
 pub use weights::gguf::{GgufFile, GgufTensorInfo, GgufValue};
+pub use weights::gguf_end_of_generation::END_OF_TURN_TEXTS;
 pub use weights::layout::{LinearWeights, Projections, WeightLayout};
 
 /// The README's code examples, compiled and run as doctests.

@@ -136,6 +136,34 @@ fn a_config_that_is_not_a_llama_family_decoder_is_refused() {
     assert!(err.to_string().contains("`dynamic`"), "{err}");
 }
 
+#[test]
+fn generation_config_s_end_ids_join_config_s() -> anyhow::Result<()> {
+    let dir = common::TempDir::new("generation-config")?;
+    let mut cfg = candle_attention::LlamaConfig::from_json(
+        r#"{"hidden_size": 8, "intermediate_size": 8, "num_attention_heads": 2, "num_hidden_layers": 1, "vocab_size": 300, "eos_token_id": 7}"#,
+    )?;
+    cfg.read_generation_config(&dir.0)?; // no file: nothing added
+    assert_eq!(cfg.end_of_generation_ids(), [7]);
+    for (text, want) in [
+        (r#"{"eos_token_id": [260, 7, 3]}"#, vec![3, 7, 260]),
+        (r#"{"eos_token_id": 9, "max_length": 20}"#, vec![7, 9]),
+        (r#"{"bos_token_id": 1}"#, vec![7]),
+    ] {
+        let mut c = cfg.clone();
+        dir.write("generation_config.json", text.as_bytes())?;
+        c.read_generation_config(&dir.0)?;
+        assert_eq!(c.end_of_generation_ids(), want, "{text}");
+        assert_eq!(c.eos_ids(), [7], "config.json's own list is kept");
+    }
+    let path = dir.write("generation_config.json", b"{not json")?;
+    let err = cfg.read_generation_config(&dir.0).expect_err("bad JSON");
+    assert!(
+        err.to_string().contains(&path.display().to_string()),
+        "{err}"
+    );
+    Ok(())
+}
+
 /// SmolLM2-135M-Instruct converted by `scripts/fetch_smollm2.sh` (directory from
 /// `SMOLLM2_DIR`, default `models/smollm2`): greedy ids equal transformers' for 24 new
 /// tokens on every prompt of `tests/fixtures/smollm2_greedy.json`, EOS ignored.

@@ -160,6 +160,80 @@ fn stops_at_the_eos_token_unless_told_not_to() -> anyhow::Result<()> {
     Ok(())
 }
 
+/// The generated ids of `model` for a fixed prompt, 12 at most, with `extra` flags.
+fn generated_ids(model: &std::path::Path, extra: &[&str]) -> anyhow::Result<Vec<u32>> {
+    let model = model.to_str().unwrap_or_default();
+    let mut args = vec![
+        "--model",
+        model,
+        "--prompt-ids",
+        "1,17,42,5",
+        "--max-new-tokens",
+        "12",
+        "--format",
+        "json",
+    ];
+    args.extend_from_slice(extra);
+    Ok(run_json(&args)?["generated_ids"]
+        .as_array()
+        .into_iter()
+        .flatten()
+        .filter_map(|v| v.as_u64())
+        .map(|v| v as u32)
+        .collect())
+}
+
+/// The first position after the first whose id is new in `ids` and not `eos`.
+fn fresh_position(ids: &[u32], eos: u32) -> Option<usize> {
+    (1..ids.len()).find(|&k| ids[k] != eos && !ids[..k].contains(&ids[k]))
+}
+
+#[test]
+fn stops_at_generation_config_s_ids_and_a_gguf_file_s_end_of_turn_id() -> anyhow::Result<()> {
+    use candle_core::quantized::gguf_file;
+    // A directory: generation_config.json's list names one more id than config.json (2).
+    let dir = common::chat_decoder_dir("generate-end-ids")?;
+    let free = generated_ids(&dir.0, &["--ignore-eos"])?;
+    let k = fresh_position(&free, 2).ok_or_else(|| anyhow::anyhow!("no fresh id: {free:?}"))?;
+    dir.write(
+        "generation_config.json",
+        format!(r#"{{"eos_token_id": [2, {}]}}"#, free[k]).as_bytes(),
+    )?;
+    assert_eq!(generated_ids(&dir.0, &[])?, free[..=k], "directory");
+    assert_eq!(generated_ids(&dir.0, &["--ignore-eos"])?, free);
+
+    // A GGUF file: the same file with `tokenizer.ggml.eot_token_id` added.
+    let source = repo_path("tests/fixtures/gguf/llama_gqa.q8_0.gguf");
+    let free = generated_ids(&source, &["--ignore-eos"])?;
+    let k = fresh_position(&free, 2).ok_or_else(|| anyhow::anyhow!("no fresh id: {free:?}"))?;
+    let mut reader = std::fs::File::open(&source)?;
+    let content = gguf_file::Content::read(&mut reader)?;
+    let eot = gguf_file::Value::U32(free[k]);
+    let mut metadata: Vec<(&str, &gguf_file::Value)> = content
+        .metadata
+        .iter()
+        .map(|(k, v)| (k.as_str(), v))
+        .collect();
+    metadata.push(("tokenizer.ggml.eot_token_id", &eot));
+    let tensors = content
+        .tensor_infos
+        .keys()
+        .map(|name| {
+            Ok((
+                name.clone(),
+                content.tensor(&mut reader, name, &Device::Cpu)?,
+            ))
+        })
+        .collect::<anyhow::Result<Vec<_>>>()?;
+    let tensors: Vec<(&str, &candle_core::quantized::QTensor)> =
+        tensors.iter().map(|(n, t)| (n.as_str(), t)).collect();
+    let path = dir.file("eot.gguf");
+    gguf_file::write(&mut std::fs::File::create(&path)?, &metadata, &tensors)?;
+    assert_eq!(generated_ids(&path, &[])?, free[..=k], "GGUF eot");
+    assert_eq!(generated_ids(&path, &["--ignore-eos"])?, free);
+    Ok(())
+}
+
 #[test]
 fn int8_activations_say_where_they_do_not_apply() -> anyhow::Result<()> {
     let ids = [

@@ -180,6 +180,37 @@ fn the_tokenizer_from_gguf_metadata_gives_transformers_ids() -> anyhow::Result<(
     Ok(())
 }
 
+#[test]
+fn the_end_of_generation_ids_are_llama_cpp_s_without_its_infill_tokens() -> anyhow::Result<()> {
+    // llama.cpp's `llama_vocab_is_eog` over each vocabulary (scripts/gen_gguf_eog_fixtures.py).
+    let text = std::fs::read_to_string(repo_path("tests/fixtures/gguf/end_of_generation.json"))?;
+    let doc: serde_json::Value = serde_json::from_str(&text)?;
+    let files = doc["files"].as_object().cloned().unwrap_or_default();
+    assert_eq!(files.len(), 3);
+    let ids = |v: &serde_json::Value| -> Vec<u32> {
+        v.as_array()
+            .into_iter()
+            .flatten()
+            .filter_map(|x| x.as_u64())
+            .map(|x| x as u32)
+            .collect()
+    };
+    let mut metadata_ids = 0;
+    for (name, want) in files {
+        let file = GgufFile::open(repo_path(&format!("tests/fixtures/gguf/{name}")))?;
+        let fim = ids(&want["llama_cpp_fim"]);
+        let expected: Vec<u32> = ids(&want["llama_cpp_eog"])
+            .into_iter()
+            .filter(|i| !fim.contains(i))
+            .collect();
+        assert!(!expected.is_empty(), "{name}");
+        assert_eq!(file.end_of_generation_ids(), expected, "{name}");
+        metadata_ids += usize::from(file.get("tokenizer.ggml.eot_token_id").is_some());
+    }
+    assert_eq!(metadata_ids, 1, "one file names its eot / eom ids");
+    Ok(())
+}
+
 /// The real files, when they are here (`SMOLLM2_GGUF_DIR`, default `models/`, where
 /// `scripts/fetch_smollm2_gguf.sh` and `scripts/requantize_smollm2.py` put them): 24 greedy
 /// tokens per prompt equal transformers' on each file's dequantized weights.

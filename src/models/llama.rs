@@ -32,6 +32,23 @@ use crate::weights::gguf_layout;
 use crate::weights::layout::WeightLayout;
 use crate::weights::quantized::QuantWeight;
 
+/// The field of `generation_config.json` read here.
+#[derive(Deserialize)]
+struct GenerationConfig {
+    #[serde(default)]
+    eos_token_id: Option<Value>,
+}
+
+/// The ids of a config's one id or list of ids (entries that are not token ids left out).
+fn ids_of(v: Option<&Value>) -> Vec<u32> {
+    let id = |v: &Value| v.as_u64().and_then(|x| u32::try_from(x).ok());
+    match v {
+        Some(Value::Array(a)) => a.iter().filter_map(id).collect(),
+        Some(one) => id(one).into_iter().collect(),
+        None => Vec::new(),
+    }
+}
+
 fn default_rms_eps() -> f64 {
     1e-6
 }
@@ -82,6 +99,11 @@ pub struct LlamaConfig {
     /// One id or a list.
     #[serde(default)]
     pub eos_token_id: Option<Value>,
+    /// Further ids that end a generation (see [`LlamaConfig::end_of_generation_ids`]):
+    /// `generation_config.json`'s `eos_token_id` beside a directory's `config.json`, a GGUF
+    /// file's [`GgufFile::end_of_generation_ids`].
+    #[serde(skip)]
+    pub generation_end_ids: Vec<u32>,
     /// Beginning-of-sequence id(s), as the config holds them.
     #[serde(default)]
     pub bos_token_id: Option<Value>,
@@ -104,6 +126,7 @@ impl LlamaConfig {
     /// transformers builds when it loads the file).
     pub fn from_gguf(file: &GgufFile) -> Result<Self> {
         let mut cfg = Self::from_value(gguf_layout::hf_config(file)?)?;
+        cfg.generation_end_ids = file.end_of_generation_ids();
         if let Some(factors) = gguf_layout::rope_freqs(file)? {
             // LLaMA 3.1's scaling as llama.cpp stores it: a divisor per frequency.
             cfg.rope.scaling = RopeScaling::Factors { factors };
@@ -148,17 +171,35 @@ impl LlamaConfig {
         Ok(cfg)
     }
 
-    /// The end-of-sequence ids.
-    pub fn eos_ids(&self) -> Vec<u32> {
-        match &self.eos_token_id {
-            Some(Value::Number(n)) => n.as_u64().map(|x| vec![x as u32]).unwrap_or_default(),
-            Some(Value::Array(a)) => a
-                .iter()
-                .filter_map(Value::as_u64)
-                .map(|x| x as u32)
-                .collect(),
-            _ => Vec::new(),
+    /// The ids that end a generation, ascending: [`LlamaConfig::eos_ids`] and
+    /// `generation_end_ids` (transformers' `generate` stops at its generation config's list,
+    /// llama.cpp at its end-of-generation set).
+    pub fn end_of_generation_ids(&self) -> Vec<u32> {
+        let mut ids = self.eos_ids();
+        ids.extend_from_slice(&self.generation_end_ids);
+        ids.sort_unstable();
+        ids.dedup();
+        ids
+    }
+
+    /// Adds `generation_config.json`'s `eos_token_id` (one id or a list) from `dir`, if the
+    /// file is there, to `generation_end_ids`.
+    pub fn read_generation_config(&mut self, dir: impl AsRef<Path>) -> Result<()> {
+        let path = dir.as_ref().join("generation_config.json");
+        if !path.exists() {
+            return Ok(());
         }
+        let gen: GenerationConfig = read_config_file(&path, |text| {
+            serde_json::from_str(text).map_err(|e| Error::config(e.to_string()))
+        })?;
+        self.generation_end_ids
+            .extend(ids_of(gen.eos_token_id.as_ref()));
+        Ok(())
+    }
+
+    /// The end-of-sequence ids of `config.json`.
+    pub fn eos_ids(&self) -> Vec<u32> {
+        ids_of(self.eos_token_id.as_ref())
     }
 
     /// The sliding window of layer `i`, if it has one.
@@ -677,10 +718,12 @@ impl LlamaModel {
     }
 
     /// Loads `config.json` and `model.safetensors` (or the shards a
-    /// `model.safetensors.index.json` names) from a directory.
+    /// `model.safetensors.index.json` names) from a directory, with `generation_config.json`'s
+    /// end-of-sequence ids if it is there.
     pub fn from_dir(dir: impl AsRef<Path>, dtype: DType, device: &Device) -> Result<Self> {
         let dir = dir.as_ref();
-        let cfg = LlamaConfig::from_file(dir.join("config.json"))?;
+        let mut cfg = LlamaConfig::from_file(dir.join("config.json"))?;
+        cfg.read_generation_config(dir)?;
         let ckpt = crate::Checkpoint::open(dir.join("model.safetensors"))?;
         Self::load(ckpt.var_builder(dtype, device), &cfg)
     }
