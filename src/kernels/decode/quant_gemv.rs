@@ -56,10 +56,39 @@ const GROUP: usize = 4;
 /// docs/performance.md).
 const TASKS_PER_THREAD: usize = 2;
 
-/// The block types the SIMD row kernels take: those of real files' matrices (Q4_0, Q4_1,
-/// Q5_0, Q5_1, Q8_0, and the K-quants of Q4_K_M files).
+/// The block types the exact (f32) SIMD row kernels take: those of real files' matrices
+/// (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0 and the K-quants Q2_K-Q6_K).
 #[cfg_attr(not(target_arch = "x86_64"), allow(dead_code))]
-pub(crate) const ROW_KERNEL_TYPES: [QuantType; 7] = [
+pub(crate) const ROW_KERNEL_TYPES: [QuantType; 10] = [
+    QuantType::Q4_0,
+    QuantType::Q4_1,
+    QuantType::Q5_0,
+    QuantType::Q5_1,
+    QuantType::Q8_0,
+    QuantType::Q2K,
+    QuantType::Q3K,
+    QuantType::Q4K,
+    QuantType::Q5K,
+    QuantType::Q6K,
+];
+
+/// The block types the AVX-512 VNNI 8-bit row kernels take; the others run exact with
+/// `--int8-activations` too.
+#[cfg_attr(not(target_arch = "x86_64"), allow(dead_code))]
+pub(crate) const INT8_VNNI_TYPES: [QuantType; 8] = [
+    QuantType::Q4_0,
+    QuantType::Q4_1,
+    QuantType::Q5_0,
+    QuantType::Q5_1,
+    QuantType::Q8_0,
+    QuantType::Q4K,
+    QuantType::Q5K,
+    QuantType::Q6K,
+];
+
+/// The block types the AVX2 8-bit row kernels take.
+#[cfg_attr(not(target_arch = "x86_64"), allow(dead_code))]
+pub(crate) const INT8_AVX2_TYPES: [QuantType; 7] = [
     QuantType::Q4_0,
     QuantType::Q4_1,
     QuantType::Q5_0,

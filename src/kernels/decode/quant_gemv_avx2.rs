@@ -128,7 +128,10 @@ unsafe fn rows_dots_avx2<const R: usize>(
         QuantType::Q4_0 => each_row!(row => dot_blocks::<Q4_0, R>(row, xs, inp)),
         QuantType::Q4_1 => each_row!(row => dot_blocks::<Q4_1, R>(row, xs, inp)),
         QuantType::Q5_0 => each_row!(row => dot_blocks::<Q5_0, R>(row, xs, inp)),
-        QuantType::Q4K => each_row!(row => dot_q4_k::<R>(row, xs, inp)),
+        QuantType::Q2K => each_row!(row => dot_q2_q3_k::<R, false>(row, xs, inp)),
+        QuantType::Q3K => each_row!(row => dot_q2_q3_k::<R, true>(row, xs, inp)),
+        QuantType::Q4K => each_row!(row => dot_q4_k::<R, false>(row, xs, inp)),
+        QuantType::Q5K => each_row!(row => dot_q4_k::<R, true>(row, xs, inp)),
         QuantType::Q6K => each_row!(row => dot_q6_k::<R>(row, xs, inp)),
         _ => each_row!(row => dot_blocks::<Q5_1, R>(row, xs, inp)),
     }
@@ -416,16 +419,32 @@ unsafe fn fma_scaled_min<const R: usize>(
 
 /// Q4_K rows: `{ f16 d; f16 dmin; u8 scales[12]; u8 qs[128] }` per 256 values; group `g`
 /// is `d * sc_g * q - dmin * m_g` over the low (even `g`) or high (odd) nibbles of
-/// `qs[32 (g / 2)..][..32]`.
+/// `qs[32 (g / 2)..][..32]`. With `Q5`, Q5_K rows: `u8 qh[32]` before `qs`, bit `g` of
+/// `qh[l]` the fifth bit of value `l` of group `g`.
 #[cfg(target_arch = "x86_64")]
 #[inline]
 #[target_feature(enable = "avx2,fma,f16c")]
-unsafe fn dot_q4_k<const R: usize>(row: &[u8], xp: *const f32, inp: usize) -> [[__m256; 4]; R] {
+unsafe fn dot_q4_k<const R: usize, const Q5: bool>(
+    row: &[u8],
+    xp: *const f32,
+    inp: usize,
+) -> [[__m256; 4]; R] {
     let bp = row.as_ptr();
     let mut acc = [[_mm256_setzero_ps(); 4]; R];
     let nibble = _mm256_set1_epi32(0x0F);
+    let (size, qs_at) = if Q5 { (176, 48) } else { (144, 16) };
     for blk in 0..inp / 256 {
-        let b = bp.add(blk * 144);
+        let b = bp.add(blk * size);
+        // Q5_K: byte `l` of `qh` shifted left by 4, lanes as the `qs` bytes below; bit `g`
+        // lands on bit 4 after a right shift by `g`.
+        let high: [__m256i; 4] = std::array::from_fn(|c| {
+            if Q5 {
+                let v = _mm_loadl_epi64(b.add(16 + 8 * c) as *const __m128i);
+                _mm256_slli_epi32::<4>(_mm256_cvtepu8_epi32(v))
+            } else {
+                _mm256_setzero_si256()
+            }
+        });
         // `dl` (`d * sc`) and `ml` of the 8 groups, lane g for group g.
         let dm = halves_at(b);
         let (sc, mins) = scales_mins_k4(&*(b.add(4) as *const [u8; 12]));
@@ -436,12 +455,22 @@ unsafe fn dot_q4_k<const R: usize>(row: &[u8], xp: *const f32, inp: usize) -> [[
         for p in 0..4 {
             // Bytes widened as they are loaded, 8 at a time: their low nibbles are group
             // `2 p`'s values, their high ones group `2 p + 1`'s.
-            let qs = b.add(16 + 32 * p);
+            let qs = b.add(qs_at + 32 * p);
             let bytes: [__m256i; 4] = std::array::from_fn(|c| {
                 _mm256_cvtepu8_epi32(_mm_loadl_epi64(qs.add(8 * c) as *const __m128i))
             });
-            let ql = bytes.map(|v| _mm256_and_si256(v, nibble));
-            let qh = bytes.map(|v| _mm256_srli_epi32::<4>(v));
+            let mut ql = bytes.map(|v| _mm256_and_si256(v, nibble));
+            let mut qh = bytes.map(|v| _mm256_srli_epi32::<4>(v));
+            if Q5 {
+                let bit4 = _mm256_set1_epi32(0x10);
+                let fifth = |v: __m256i, g: usize| {
+                    _mm256_and_si256(_mm256_srl_epi32(v, _mm_cvtsi32_si128(g as i32)), bit4)
+                };
+                for c in 0..4 {
+                    ql[c] = _mm256_or_si256(ql[c], fifth(high[c], 2 * p));
+                    qh[c] = _mm256_or_si256(qh[c], fifth(high[c], 2 * p + 1));
+                }
+            }
             let xg = xp.add(blk * 256 + 64 * p);
             for (half, q) in [ql, qh].into_iter().enumerate() {
                 let g = _mm256_set1_epi32((2 * p + half) as i32);
@@ -450,6 +479,99 @@ unsafe fn dot_q4_k<const R: usize>(row: &[u8], xp: *const f32, inp: usize) -> [[
                     _mm256_permutevar8x32_ps(mls, g),
                 );
                 fma_scaled_min(q, dl, ml, xg.add(32 * half), inp, &mut acc);
+            }
+        }
+    }
+    acc
+}
+
+/// Q2_K rows (`{ u8 scales[16]; u8 qs[64]; f16 d; f16 dmin }` per 256 values) or, with
+/// `Q3`, Q3_K rows (`{ u8 hmask[32]; u8 qs[64]; u8 scales[12]; f16 d }`): value `128 h +
+/// 32 j + l` holds the two bits `qs[32 h + l] >> 2 j` in group `g = 8 h + 2 j + l / 16`, as
+/// the AVX-512 kernel's `q2_q3_k_values` makes it (Q2_K: `(d * (sc_g & 15)) * q - dmin *
+/// (sc_g >> 4)`; Q3_K: `(d * sc_g) * (q - 4)`, the 4 not taken where bit `4 h + j` of
+/// `hmask[l]` is set).
+#[cfg(target_arch = "x86_64")]
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn dot_q2_q3_k<const R: usize, const Q3: bool>(
+    row: &[u8],
+    xp: *const f32,
+    inp: usize,
+) -> [[__m256; 4]; R] {
+    use crate::kernels::decode::quant_gemv_avx512::q3_k_scales;
+    let bp = row.as_ptr();
+    let mut acc = [[_mm256_setzero_ps(); 4]; R];
+    let (size, qs_at) = if Q3 { (110, 32) } else { (84, 16) };
+    let (two_bits, one, four) = (
+        _mm256_set1_epi32(3),
+        _mm256_set1_epi32(1),
+        _mm256_set1_epi32(4),
+    );
+    for blk in 0..inp / 256 {
+        let b = bp.add(blk * size);
+        // `dl` (and Q2_K's `ml`) of group g in lane g % 8 of the pair's `g / 8`th.
+        let (dls, mls) = if Q3 {
+            let sc = q3_k_scales(&*(b.add(96) as *const [u8; 12]));
+            let d = _mm256_set1_ps(half_before(b.add(110)));
+            let eight = |at: usize| {
+                let v = _mm_loadl_epi64(sc.as_ptr().add(at) as *const __m128i);
+                _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(v)))
+            };
+            ([eight(0), eight(8)], [_mm256_setzero_ps(); 2])
+        } else {
+            let dm = halves_at(b.add(80));
+            let (d, dmin) = (
+                _mm256_broadcastss_ps(dm),
+                _mm256_broadcastss_ps(_mm_movehdup_ps(dm)),
+            );
+            let pair = |at: usize| {
+                let sc = _mm256_cvtepu8_epi32(_mm_loadl_epi64(b.add(at) as *const __m128i));
+                let low = _mm256_and_si256(sc, _mm256_set1_epi32(0x0F));
+                (
+                    _mm256_mul_ps(d, _mm256_cvtepi32_ps(low)),
+                    _mm256_mul_ps(dmin, _mm256_cvtepi32_ps(_mm256_srli_epi32::<4>(sc))),
+                )
+            };
+            let ((d0, m0), (d1, m1)) = (pair(0), pair(8));
+            ([d0, d1], [m0, m1])
+        };
+        let lane = |v: &[__m256; 2], g: usize| {
+            _mm256_permutevar8x32_ps(v[g / 8], _mm256_set1_epi32((g % 8) as i32))
+        };
+        let shift = |v: __m256i, n: usize| _mm256_srl_epi32(v, _mm_cvtsi32_si128(n as i32));
+        // Q3_K: `hmask[l]`, `l = 8 c..8 c + 8`.
+        let mask: [__m256i; 4] = std::array::from_fn(|c| {
+            if Q3 {
+                _mm256_cvtepu8_epi32(_mm_loadl_epi64(b.add(8 * c) as *const __m128i))
+            } else {
+                _mm256_setzero_si256()
+            }
+        });
+        for h in 0..2 {
+            // Bytes `l = 8 c..8 c + 8` of the half's 32, widened as they load.
+            let bytes: [__m256i; 4] = std::array::from_fn(|c| {
+                let v = _mm_loadl_epi64(b.add(qs_at + 32 * h + 8 * c) as *const __m128i);
+                _mm256_cvtepu8_epi32(v)
+            });
+            for j in 0..4 {
+                let xg = xp.add(blk * 256 + 128 * h + 32 * j);
+                for c in 0..4 {
+                    let g = 8 * h + 2 * j + c / 2;
+                    let q = _mm256_and_si256(shift(bytes[c], 2 * j), two_bits);
+                    let w = if Q3 {
+                        let set = _mm256_and_si256(shift(mask[c], 4 * h + j), one);
+                        let q =
+                            _mm256_sub_epi32(_mm256_or_si256(q, _mm256_slli_epi32::<2>(set)), four);
+                        _mm256_mul_ps(lane(&dls, g), _mm256_cvtepi32_ps(q))
+                    } else {
+                        _mm256_fmsub_ps(lane(&dls, g), _mm256_cvtepi32_ps(q), lane(&mls, g))
+                    };
+                    for (r, acc) in acc.iter_mut().enumerate() {
+                        let x = _mm256_loadu_ps(xg.add(r * inp + 8 * c));
+                        acc[c] = _mm256_fmadd_ps(w, x, acc[c]);
+                    }
+                }
             }
         }
     }

@@ -121,8 +121,11 @@ unsafe fn rows_dots_avx512<const R: usize>(
         QuantType::Q4_0 => each_row!(row => dot_blocks::<Q4_0, R>(row, xs, inp)),
         QuantType::Q4_1 => each_row!(row => dot_blocks::<Q4_1, R>(row, xs, inp)),
         QuantType::Q5_0 => each_row!(row => dot_blocks::<Q5_0, R>(row, xs, inp)),
-        QuantType::Q4K => each_row!(row => dot_k::<R, false>(row, xs, inp)),
-        QuantType::Q6K => each_row!(row => dot_k::<R, true>(row, xs, inp)),
+        QuantType::Q2K => each_row!(row => dot_k::<R, Q2K>(row, xs, inp)),
+        QuantType::Q3K => each_row!(row => dot_k::<R, Q3K>(row, xs, inp)),
+        QuantType::Q4K => each_row!(row => dot_k::<R, Q4K>(row, xs, inp)),
+        QuantType::Q5K => each_row!(row => dot_k::<R, Q5K>(row, xs, inp)),
+        QuantType::Q6K => each_row!(row => dot_k::<R, Q6K>(row, xs, inp)),
         _ => each_row!(row => dot_blocks::<Q5_1, R>(row, xs, inp)),
     }
 }
@@ -174,6 +177,27 @@ unsafe fn dequantize_avx512(ty: QuantType, b: *const u8, out: &mut [f32]) -> boo
         QuantType::Q4K => {
             for i in 0..blocks {
                 q4_k_values(b.add(i * size), |at, v| {
+                    _mm512_storeu_ps(o.add(256 * i + at), v)
+                });
+            }
+        }
+        QuantType::Q2K => {
+            for i in 0..blocks {
+                q2_q3_k_values::<false>(b.add(i * size), |at, v| {
+                    _mm512_storeu_ps(o.add(256 * i + at), v)
+                });
+            }
+        }
+        QuantType::Q3K => {
+            for i in 0..blocks {
+                q2_q3_k_values::<true>(b.add(i * size), |at, v| {
+                    _mm512_storeu_ps(o.add(256 * i + at), v)
+                });
+            }
+        }
+        QuantType::Q5K => {
+            for i in 0..blocks {
+                q5_k_values(b.add(i * size), |at, v| {
                     _mm512_storeu_ps(o.add(256 * i + at), v)
                 });
             }
@@ -329,13 +353,21 @@ unsafe fn sum16(v: &[__m512; 16]) -> __m512 {
     )
 }
 
+/// The K-quant kinds [`dot_k`] takes, as const parameters.
+const Q2K: u8 = 0;
+const Q3K: u8 = 1;
+const Q4K: u8 = 2;
+const Q5K: u8 = 3;
+const Q6K: u8 = 4;
+
 /// Q4_K rows (`{ f16 d; f16 dmin; u8 scales[12]; u8 qs[128] }` per 256 values,
-/// [`q4_k_values`]) or, with `Q6`, Q6_K rows (`{ u8 ql[128]; u8 qh[64]; i8 scales[16]; f16 d }`,
-/// [`q6_k_values`]): four accumulators a row, summed by the caller.
+/// [`q4_k_values`]), Q5_K rows (the same with `u8 qh[32]` before `qs`, [`q5_k_values`]) or
+/// Q6_K rows (`{ u8 ql[128]; u8 qh[64]; i8 scales[16]; f16 d }`, [`q6_k_values`]): four
+/// accumulators a row, summed by the caller.
 #[cfg(target_arch = "x86_64")]
 #[inline]
 #[target_feature(enable = "avx512f")]
-unsafe fn dot_k<const R: usize, const Q6: bool>(
+unsafe fn dot_k<const R: usize, const K: u8>(
     row: &[u8],
     xp: *const f32,
     inp: usize,
@@ -348,10 +380,12 @@ unsafe fn dot_k<const R: usize, const Q6: bool>(
                 a[at / 16 % 4] = _mm512_fmadd_ps(v, x, a[at / 16 % 4]);
             }
         };
-        if Q6 {
-            q6_k_values(row.as_ptr().add(blk * 210), add);
-        } else {
-            q4_k_values(row.as_ptr().add(blk * 144), add);
+        match K {
+            Q2K => q2_q3_k_values::<false>(row.as_ptr().add(blk * 84), add),
+            Q3K => q2_q3_k_values::<true>(row.as_ptr().add(blk * 110), add),
+            Q6K => q6_k_values(row.as_ptr().add(blk * 210), add),
+            Q5K => q5_k_values(row.as_ptr().add(blk * 176), add),
+            _ => q4_k_values(row.as_ptr().add(blk * 144), add),
         }
     }
     acc
@@ -390,6 +424,127 @@ unsafe fn q4_k_values(b: *const u8, mut f: impl FnMut(usize, __m512)) {
                 64 * p + 32 + 16 * h,
                 _mm512_permutexvar_ps(_mm512_srli_epi32::<4>(bytes), t1),
             );
+        }
+    }
+}
+
+/// The 256 values of the Q2_K block at `b` (`{ u8 scales[16]; u8 qs[64]; f16 d; f16 dmin }`)
+/// or, with `Q3`, the Q3_K block (`{ u8 hmask[32]; u8 qs[64]; u8 scales[12]; f16 d }`), 16
+/// at a time as [`q4_k_values`]. Value `128 h + 32 j + l` holds the two bits
+/// `qs[32 h + l] >> 2 j` in group `g = 8 h + 2 j + l / 16`: Q2_K's is `(d * (sc_g & 15)) * q -
+/// dmin * (sc_g >> 4)` (the product exact, so one fused step rounds as gguf-py's two),
+/// Q3_K's `(d * sc_g) * (q - 4)`, the 4 not taken where bit `4 h + j` of `hmask[l]` is set,
+/// `sc_g` its 6-bit scale `- 32` ([`q3_k_scales`]).
+#[cfg(target_arch = "x86_64")]
+#[inline]
+#[target_feature(enable = "avx512f")]
+unsafe fn q2_q3_k_values<const Q3: bool>(b: *const u8, mut f: impl FnMut(usize, __m512)) {
+    // `dl` (and Q2_K's `ml`) of group g in lane g.
+    let (dl, ml) = if Q3 {
+        let sc = q3_k_scales(&*(b.add(96) as *const [u8; 12]));
+        let sc = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(
+            sc.as_ptr() as *const __m128i
+        )));
+        (
+            _mm512_mul_ps(_mm512_set1_ps(half_before(b.add(110))), sc),
+            _mm512_setzero_ps(),
+        )
+    } else {
+        let sc = _mm512_cvtepu8_epi32(_mm_loadu_si128(b as *const __m128i));
+        let low = _mm512_cvtepi32_ps(_mm512_and_si512(sc, _mm512_set1_epi32(0x0F)));
+        let high = _mm512_cvtepi32_ps(_mm512_srli_epi32::<4>(sc));
+        let (d, dmin) = halves_at_ptr(b.add(80));
+        (_mm512_mul_ps(d, low), _mm512_mul_ps(dmin, high))
+    };
+    let lane = |v: __m512, g: usize| _mm512_permutexvar_ps(_mm512_set1_epi32(g as i32), v);
+    let (two_bits, one, four) = (
+        _mm512_set1_epi32(3),
+        _mm512_set1_epi32(1),
+        _mm512_set1_epi32(4),
+    );
+    let qs = b.add(if Q3 { 32 } else { 16 });
+    for h in 0..2 {
+        for half in 0..2 {
+            let at = 32 * h + 16 * half;
+            let bytes = _mm512_cvtepu8_epi32(_mm_loadu_si128(qs.add(at) as *const __m128i));
+            let mask = if Q3 {
+                _mm512_cvtepu8_epi32(_mm_loadu_si128(b.add(16 * half) as *const __m128i))
+            } else {
+                _mm512_setzero_si512()
+            };
+            for j in 0..4 {
+                let g = 8 * h + 2 * j + half;
+                let shift = |v: __m512i, n: usize| _mm512_srl_epi32(v, _mm_cvtsi32_si128(n as i32));
+                let q = _mm512_and_si512(shift(bytes, 2 * j), two_bits);
+                let v = if Q3 {
+                    let set = _mm512_and_si512(shift(mask, 4 * h + j), one);
+                    let q = _mm512_sub_epi32(_mm512_or_si512(q, _mm512_slli_epi32::<2>(set)), four);
+                    _mm512_mul_ps(lane(dl, g), _mm512_cvtepi32_ps(q))
+                } else {
+                    _mm512_fmsub_ps(lane(dl, g), _mm512_cvtepi32_ps(q), lane(ml, g))
+                };
+                f(128 * h + 32 * j + 16 * half, v);
+            }
+        }
+    }
+}
+
+/// The 16 scales `- 32` of a Q3_K block's 12 scale bytes, group `g` in byte `g`: the low
+/// four bits from `sc[g % 8] >> 4 (g / 8)`, the high two from `sc[8 + g % 4] >> 2 (g / 4)`.
+#[inline]
+pub(crate) fn q3_k_scales(sc: &[u8; 12]) -> [i8; 16] {
+    std::array::from_fn(|g| {
+        let low = (sc[g % 8] >> (4 * (g / 8))) & 0x0F;
+        let high = (sc[8 + g % 4] >> (2 * (g / 4))) & 0x03;
+        (low | (high << 4)) as i8 - 32
+    })
+}
+
+/// The 256 values of the Q5_K block at `b` (`{ f16 d; f16 dmin; u8 scales[12]; u8 qh[32];
+/// u8 qs[128] }`), 16 at a time as [`q4_k_values`]: value `l` of group `g` has the nibble
+/// Q4_K gives it and bit `g` of `qh[l]` as its fifth bit. Each group looks its values up in
+/// a table of the 32 it can hold (two registers, `vpermt2ps`): `dl * q` (17 by 5
+/// significant bits) is exact, so one fused `dl * q - ml` rounds as gguf-py's two steps.
+#[cfg(target_arch = "x86_64")]
+#[inline]
+#[target_feature(enable = "avx512f")]
+unsafe fn q5_k_values(b: *const u8, mut f: impl FnMut(usize, __m512)) {
+    let iota = iota16();
+    let iota_hi = _mm512_add_ps(iota, _mm512_set1_ps(16.0));
+    let d_then_dmin = _mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1);
+    let dm = _mm512_castps128_ps512(halves_at(b));
+    let dm = _mm512_permutexvar_ps(d_then_dmin, dm);
+    let (sc, mins) = scales_mins_k4(&*(b.add(4) as *const [u8; 12]));
+    let sm = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_set_epi64x(mins as i64, sc as i64)));
+    let sm = _mm512_mul_ps(dm, sm);
+    let (low4, bit4) = (_mm512_set1_epi32(0x0F), _mm512_set1_epi32(0x10));
+    // Lane j of `high[h]`: byte `16 h + j` of `qh`, shifted so that bit g lands on bit 4
+    // after a right shift by g.
+    let high: [__m512i; 2] = std::array::from_fn(|h| {
+        let bytes = _mm512_cvtepu8_epi32(_mm_loadu_si128((b.add(16) as *const __m128i).add(h)));
+        _mm512_slli_epi32::<4>(bytes)
+    });
+    let lane = |i: usize| _mm512_permutexvar_ps(_mm512_set1_epi32(i as i32), sm);
+    for p in 0..4 {
+        let qs = b.add(48 + 32 * p) as *const __m128i;
+        let tables = [2 * p, 2 * p + 1].map(|g| {
+            let (dl, ml) = (lane(g), lane(8 + g));
+            (
+                _mm512_fmsub_ps(dl, iota, ml),
+                _mm512_fmsub_ps(dl, iota_hi, ml),
+            )
+        });
+        for (h, &hb) in high.iter().enumerate() {
+            let bytes = _mm512_cvtepu8_epi32(_mm_loadu_si128(qs.add(h)));
+            let fifth = |g: usize| {
+                _mm512_and_si512(_mm512_srl_epi32(hb, _mm_cvtsi32_si128(g as i32)), bit4)
+            };
+            let q0 = _mm512_or_si512(_mm512_and_si512(bytes, low4), fifth(2 * p));
+            let q1 = _mm512_or_si512(_mm512_srli_epi32::<4>(bytes), fifth(2 * p + 1));
+            let (t0, t0h) = tables[0];
+            let (t1, t1h) = tables[1];
+            f(64 * p + 16 * h, _mm512_permutex2var_ps(t0, q0, t0h));
+            f(64 * p + 32 + 16 * h, _mm512_permutex2var_ps(t1, q1, t1h));
         }
     }
 }

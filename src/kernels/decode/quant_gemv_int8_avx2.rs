@@ -19,10 +19,12 @@ use crate::kernels::decode::quant_gemv_vnni::{rows_dots_shape, QuantizedX};
 use crate::kernels::quant::blocks::QuantType;
 
 /// Whether this CPU runs these kernels for `ty`: where it runs the exact AVX2 ones (AVX2,
-/// FMA and F16C, the instruction set not capped below AVX2; the 32-value types, Q4_K and
+/// FMA and F16C, the instruction set not capped below AVX2), for the types of
+/// [`crate::kernels::decode::quant_gemv::INT8_AVX2_TYPES`] (the 32-value types, Q4_K and
 /// Q6_K).
 pub(crate) fn supports(ty: QuantType) -> bool {
     crate::kernels::decode::quant_gemv_avx2::supports(ty)
+        && crate::kernels::decode::quant_gemv::INT8_AVX2_TYPES.contains(&ty)
 }
 
 /// `sum_k W[k] x[k]` for one row of `ty` blocks against `x` quantized; `None` when this CPU

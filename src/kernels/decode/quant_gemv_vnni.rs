@@ -24,7 +24,7 @@ use std::arch::x86_64::*;
 
 use crate::kernels::decode::lines::Lines;
 #[cfg(any(target_arch = "x86_64", test))]
-use crate::kernels::decode::quant_gemv::ROW_KERNEL_TYPES;
+use crate::kernels::decode::quant_gemv::INT8_VNNI_TYPES;
 #[cfg(target_arch = "x86_64")]
 use crate::kernels::decode::quant_gemv_int8_avx2;
 use crate::kernels::quant::blocks::QuantType;
@@ -164,8 +164,9 @@ unsafe fn quantize_block_avx2(x: *const f32, q: *mut i8) -> (f32, i32) {
 }
 
 /// Whether this CPU runs these kernels for `ty`: AVX-512 F, BW, VL and VNNI (the
-/// instruction set not capped below AVX-512), for the types the exact row kernels take
-/// (the 32-value types, Q4_K and Q6_K).
+/// instruction set not capped below AVX-512), for the types of
+/// [`crate::kernels::decode::quant_gemv::INT8_VNNI_TYPES`] (the 32-value types, Q4_K, Q5_K
+/// and Q6_K).
 pub(crate) fn supports(ty: QuantType) -> bool {
     #[cfg(target_arch = "x86_64")]
     {
@@ -180,7 +181,7 @@ pub(crate) fn supports(ty: QuantType) -> bool {
                 && is_x86_feature_detected!("f16c")
                 && is_x86_feature_detected!("fma")
         });
-        cpu && matches!(isa(), Isa::Avx512) && ROW_KERNEL_TYPES.contains(&ty)
+        cpu && matches!(isa(), Isa::Avx512) && INT8_VNNI_TYPES.contains(&ty)
     }
     #[cfg(not(target_arch = "x86_64"))]
     {
@@ -284,7 +285,8 @@ unsafe fn rows_dots_vnni<const R: usize>(
         QuantType::Q4_0 => each_row!(dot_pairs::<Q4_0>),
         QuantType::Q4_1 => each_row!(dot_pairs::<Q4_1>),
         QuantType::Q5_0 => each_row!(dot_pairs::<Q5_0>),
-        QuantType::Q4K => each_row!(dot_q4_k),
+        QuantType::Q4K => each_row!(dot_q4_k::<FOUR_BITS>),
+        QuantType::Q5K => each_row!(dot_q4_k::<FIVE_BITS>),
         QuantType::Q6K => each_row!(dot_q6_k),
         _ => each_row!(dot_pairs::<Q5_1>),
     }
@@ -441,18 +443,27 @@ unsafe fn dot_pairs<const K: u8, const R: usize>(b0: *const u8, xs: &[QuantizedX
     out
 }
 
+/// [`dot_q4_k`]'s `Q5` for Q4_K and Q5_K rows.
+const FOUR_BITS: bool = false;
+const FIVE_BITS: bool = true;
+
 /// One Q4_K row against `x`: per block of 256 values, `{ f16 d; f16 dmin; u8 scales[12];
 /// u8 qs[128] }`, group `g` (32 values, `x`'s block `g`) is `d sc_g q - dmin m_g` over the
 /// low (even `g`) or high (odd) nibbles of `qs[32 (g / 2)..][..32]`. A pair of groups is one
 /// 512-bit `vpdpbusd` against `x`'s bytes in order, its lanes scaled by `d sc_g dx_g`; the
-/// `dmin m_g dsum_g` terms are summed apart, 8 lanes a block.
+/// `dmin m_g dsum_g` terms are summed apart, 8 lanes a block. With `Q5`, Q5_K rows: `u8
+/// qh[32]` before `qs`, bit `g` of `qh[l]` the fifth bit of value `l` of group `g` (the
+/// values 0..32 are still unsigned bytes for `vpdpbusd`).
 ///
 /// # Safety
 /// As [`dot_pairs`] (`b0` at `xs[0].d.len() / 8` whole blocks).
 #[cfg(target_arch = "x86_64")]
 #[inline]
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,f16c,fma,avx2")]
-unsafe fn dot_q4_k<const R: usize>(b0: *const u8, xs: &[QuantizedX]) -> [__m512; R] {
+unsafe fn dot_q4_k<const Q5: bool, const R: usize>(
+    b0: *const u8,
+    xs: &[QuantizedX],
+) -> [__m512; R] {
     use crate::kernels::decode::quant_gemv_avx2::halves_at;
     use crate::kernels::quant::blocks::scales_mins_k4;
     let n = xs[0].d.len() / 8;
@@ -482,17 +493,30 @@ unsafe fn dot_q4_k<const R: usize>(b0: *const u8, xs: &[QuantizedX]) -> [__m512;
     let spreads = [spread(0), spread(1), spread(2), spread(3)];
     let eight =
         |bytes: u64| _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_cvtsi64_si128(bytes as i64)));
+    let (size, qs_at) = if Q5 { (176, 48) } else { (144, 16) };
+    let one = _mm256_set1_epi8(1);
     for blk in 0..n {
-        let b = b0.add(blk * 144);
+        let b = b0.add(blk * size);
         let dm = halves_at(b);
         let (sc, mins) = scales_mins_k4(&*(b.add(4) as *const [u8; 12]));
         let dsc = _mm256_mul_ps(_mm256_broadcastss_ps(dm), eight(sc));
         let dmm = _mm256_mul_ps(_mm256_broadcastss_ps(_mm_movehdup_ps(dm)), eight(mins));
         // Pair p: the low nibbles (group 2p), then the high ones (2p + 1), in value order.
         let w: [__m512i; 4] = std::array::from_fn(|p| {
-            let bytes = _mm256_loadu_si256(b.add(16 + 32 * p) as *const __m256i);
-            let lo = _mm256_and_si256(bytes, mask);
-            let hi = _mm256_and_si256(_mm256_srli_epi16::<4>(bytes), mask);
+            let bytes = _mm256_loadu_si256(b.add(qs_at + 32 * p) as *const __m256i);
+            let mut lo = _mm256_and_si256(bytes, mask);
+            let mut hi = _mm256_and_si256(_mm256_srli_epi16::<4>(bytes), mask);
+            if Q5 {
+                // Bit g of each `qh` byte to bit 4 (shifted within 16-bit words, masked
+                // to each byte's bit 0 before moving up).
+                let qh = _mm256_loadu_si256(b.add(16) as *const __m256i);
+                let fifth = |g: usize| {
+                    let bit = _mm256_srl_epi16(qh, _mm_cvtsi32_si128(g as i32));
+                    _mm256_slli_epi16::<4>(_mm256_and_si256(bit, one))
+                };
+                lo = _mm256_or_si256(lo, fifth(2 * p));
+                hi = _mm256_or_si256(hi, fifth(2 * p + 1));
+            }
             _mm512_inserti64x4::<1>(_mm512_castsi256_si512(lo), hi)
         });
         for r in 0..R {
@@ -705,7 +729,7 @@ mod tests {
             (supports, row_dot, &vnni),
             (avx2::supports, avx2::row_dot, &avx2),
         ];
-        let cases = ROW_KERNEL_TYPES.into_iter().flat_map(widths);
+        let cases = INT8_VNNI_TYPES.into_iter().flat_map(widths);
         for ((ty, cols), (supports, row_dot, multi)) in cases.flat_map(|c| kernels.map(|k| (c, k)))
         {
             if !supports(ty) {
@@ -758,7 +782,7 @@ mod tests {
         use crate::kernels::decode::quant_gemv_int8_avx2 as avx2;
         let kernels: [(Supports, Dot); 2] = [(supports, row_dot), (avx2::supports, avx2::row_dot)];
         // An even number of blocks a row, and an odd one (its last block alone).
-        let cases = ROW_KERNEL_TYPES.into_iter().flat_map(widths);
+        let cases = INT8_VNNI_TYPES.into_iter().flat_map(widths);
         for ((ty, cols), (supports, row_dot)) in cases.flat_map(|c| kernels.map(|k| (c, k))) {
             if !supports(ty) {
                 continue;
