@@ -499,7 +499,6 @@ unsafe fn dot_q2_q3_k<const R: usize, const Q3: bool>(
     xp: *const f32,
     inp: usize,
 ) -> [[__m256; 4]; R] {
-    use crate::kernels::decode::quant_gemv_avx512::q3_k_scales;
     let bp = row.as_ptr();
     let mut acc = [[_mm256_setzero_ps(); 4]; R];
     let (size, qs_at) = if Q3 { (110, 32) } else { (84, 16) };
@@ -512,13 +511,13 @@ unsafe fn dot_q2_q3_k<const R: usize, const Q3: bool>(
         let b = bp.add(blk * size);
         // `dl` (and Q2_K's `ml`) of group g in lane g % 8 of the pair's `g / 8`th.
         let (dls, mls) = if Q3 {
-            let sc = q3_k_scales(&*(b.add(96) as *const [u8; 12]));
+            let sc = q3_k_scales(b.add(96));
             let d = _mm256_set1_ps(half_before(b.add(110)));
-            let eight = |at: usize| {
-                let v = _mm_loadl_epi64(sc.as_ptr().add(at) as *const __m128i);
-                _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(v)))
-            };
-            ([eight(0), eight(8)], [_mm256_setzero_ps(); 2])
+            let eight = |v: __m128i| _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(v)));
+            (
+                [eight(sc), eight(_mm_srli_si128::<8>(sc))],
+                [_mm256_setzero_ps(); 2],
+            )
         } else {
             let dm = halves_at(b.add(80));
             let (d, dmin) = (
@@ -576,6 +575,34 @@ unsafe fn dot_q2_q3_k<const R: usize, const Q3: bool>(
         }
     }
     acc
+}
+
+/// The 16 scales `- 32` of a Q3_K block from its 12 scale bytes at `p`, as signed bytes,
+/// group `g` in byte `g`: the low four bits from `sc[g % 8] >> 4 (g / 8)`, the high two
+/// from `sc[8 + g % 4] >> 2 (g / 4)` (llama.cpp's unpacking over 32-bit words, the four
+/// words side by side).
+///
+/// # Safety
+/// AVX2; 12 readable bytes at `p`.
+#[cfg(target_arch = "x86_64")]
+#[inline]
+#[target_feature(enable = "avx2")]
+pub(crate) unsafe fn q3_k_scales(p: *const u8) -> __m128i {
+    let a = _mm_loadl_epi64(p as *const __m128i); // words a0, a1
+    let high = _mm_set1_epi32(std::ptr::read_unaligned(p.add(8) as *const i32));
+    // Words [a0, a1, a0 >> 4, a1 >> 4] & 0x0F0F0F0F: the low four bits.
+    let low = _mm_srlv_epi32(
+        _mm_shuffle_epi32::<0b01_00_01_00>(a),
+        _mm_setr_epi32(0, 0, 4, 4),
+    );
+    let low = _mm_and_si128(low, _mm_set1_epi8(0x0F));
+    // [high, high >> 2, high >> 4, high >> 6] & 0x03030303, moved up by 4.
+    let top = _mm_and_si128(
+        _mm_srlv_epi32(high, _mm_setr_epi32(0, 2, 4, 6)),
+        _mm_set1_epi8(3),
+    );
+    let six = _mm_or_si128(low, _mm_slli_epi32::<4>(top));
+    _mm_sub_epi8(six, _mm_set1_epi8(32))
 }
 
 /// Q6_K rows: `{ u8 ql[128]; u8 qh[64]; i8 scales[16]; f16 d }` per 256 values; value

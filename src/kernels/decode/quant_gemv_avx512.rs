@@ -19,7 +19,9 @@ use crate::kernels::decode::quant_gemv::rows_dots_shape;
 #[cfg(target_arch = "x86_64")]
 use crate::kernels::decode::quant_gemv::ROW_KERNEL_TYPES;
 #[cfg(target_arch = "x86_64")]
-use crate::kernels::decode::quant_gemv_avx2::{half_at, half_before, halves_at, q6_k_bytes};
+use crate::kernels::decode::quant_gemv_avx2::{
+    half_at, half_before, halves_at, q3_k_scales, q6_k_bytes,
+};
 #[cfg(target_arch = "x86_64")]
 use crate::kernels::quant::blocks::scales_mins_k4;
 use crate::kernels::quant::blocks::QuantType;
@@ -441,10 +443,7 @@ unsafe fn q4_k_values(b: *const u8, mut f: impl FnMut(usize, __m512)) {
 unsafe fn q2_q3_k_values<const Q3: bool>(b: *const u8, mut f: impl FnMut(usize, __m512)) {
     // `dl` (and Q2_K's `ml`) of group g in lane g.
     let (dl, ml) = if Q3 {
-        let sc = q3_k_scales(&*(b.add(96) as *const [u8; 12]));
-        let sc = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(
-            sc.as_ptr() as *const __m128i
-        )));
+        let sc = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(q3_k_scales(b.add(96))));
         (
             _mm512_mul_ps(_mm512_set1_ps(half_before(b.add(110))), sc),
             _mm512_setzero_ps(),
@@ -457,47 +456,57 @@ unsafe fn q2_q3_k_values<const Q3: bool>(b: *const u8, mut f: impl FnMut(usize, 
         (_mm512_mul_ps(d, low), _mm512_mul_ps(dmin, high))
     };
     let lane = |v: __m512, g: usize| _mm512_permutexvar_ps(_mm512_set1_epi32(g as i32), v);
-    let (two_bits, one, four) = (
-        _mm512_set1_epi32(3),
-        _mm512_set1_epi32(1),
-        _mm512_set1_epi32(4),
-    );
+    // Group g's values in a table indexed by the value's bits (`vpermps` reads bits 0..4 of
+    // an index; the table repeats, so bits above the value's are free): Q2_K's four
+    // `dl * q - ml` (each one fused rounding, as gguf-py's exact product then difference),
+    // Q3_K's eight `dl * (k - 4)` (exact), `k` the two bits and the high-mask bit above them.
+    let steps = if Q3 {
+        _mm512_setr_ps(
+            -4.0, -3.0, -2.0, -1.0, 0.0, 1.0, 2.0, 3.0, -4.0, -3.0, -2.0, -1.0, 0.0, 1.0, 2.0, 3.0,
+        )
+    } else {
+        _mm512_setr_ps(
+            0.0, 1.0, 2.0, 3.0, 0.0, 1.0, 2.0, 3.0, 0.0, 1.0, 2.0, 3.0, 0.0, 1.0, 2.0, 3.0,
+        )
+    };
+    let table = |g: usize| {
+        if Q3 {
+            _mm512_mul_ps(lane(dl, g), steps)
+        } else {
+            _mm512_fmsub_ps(lane(dl, g), steps, lane(ml, g))
+        }
+    };
+    let two_bits = _mm512_set1_epi32(3);
     let qs = b.add(if Q3 { 32 } else { 16 });
     for h in 0..2 {
         for half in 0..2 {
             let at = 32 * h + 16 * half;
             let bytes = _mm512_cvtepu8_epi32(_mm_loadu_si128(qs.add(at) as *const __m128i));
+            // Q3_K: `hmask[l]` moved up by 2, so that bit `4 h + j` lands on bit 2 after a
+            // right shift by `4 h + j`.
             let mask = if Q3 {
-                _mm512_cvtepu8_epi32(_mm_loadu_si128(b.add(16 * half) as *const __m128i))
+                let m = _mm512_cvtepu8_epi32(_mm_loadu_si128(b.add(16 * half) as *const __m128i));
+                _mm512_slli_epi32::<2>(m)
             } else {
                 _mm512_setzero_si512()
             };
             for j in 0..4 {
                 let g = 8 * h + 2 * j + half;
                 let shift = |v: __m512i, n: usize| _mm512_srl_epi32(v, _mm_cvtsi32_si128(n as i32));
-                let q = _mm512_and_si512(shift(bytes, 2 * j), two_bits);
-                let v = if Q3 {
-                    let set = _mm512_and_si512(shift(mask, 4 * h + j), one);
-                    let q = _mm512_sub_epi32(_mm512_or_si512(q, _mm512_slli_epi32::<2>(set)), four);
-                    _mm512_mul_ps(lane(dl, g), _mm512_cvtepi32_ps(q))
+                let q = shift(bytes, 2 * j);
+                // Q3_K: bits 0..1 from `q`, the rest from the shifted mask.
+                let k = if Q3 {
+                    _mm512_ternarylogic_epi32::<0xE4>(q, shift(mask, 4 * h + j), two_bits)
                 } else {
-                    _mm512_fmsub_ps(lane(dl, g), _mm512_cvtepi32_ps(q), lane(ml, g))
+                    q
                 };
-                f(128 * h + 32 * j + 16 * half, v);
+                f(
+                    128 * h + 32 * j + 16 * half,
+                    _mm512_permutexvar_ps(k, table(g)),
+                );
             }
         }
     }
-}
-
-/// The 16 scales `- 32` of a Q3_K block's 12 scale bytes, group `g` in byte `g`: the low
-/// four bits from `sc[g % 8] >> 4 (g / 8)`, the high two from `sc[8 + g % 4] >> 2 (g / 4)`.
-#[inline]
-pub(crate) fn q3_k_scales(sc: &[u8; 12]) -> [i8; 16] {
-    std::array::from_fn(|g| {
-        let low = (sc[g % 8] >> (4 * (g / 8))) & 0x0F;
-        let high = (sc[8 + g % 4] >> (2 * (g / 4))) & 0x03;
-        (low | (high << 4)) as i8 - 32
-    })
 }
 
 /// The 256 values of the Q5_K block at `b` (`{ f16 d; f16 dmin; u8 scales[12]; u8 qh[32];
@@ -517,7 +526,7 @@ unsafe fn q5_k_values(b: *const u8, mut f: impl FnMut(usize, __m512)) {
     let (sc, mins) = scales_mins_k4(&*(b.add(4) as *const [u8; 12]));
     let sm = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_set_epi64x(mins as i64, sc as i64)));
     let sm = _mm512_mul_ps(dm, sm);
-    let (low4, bit4) = (_mm512_set1_epi32(0x0F), _mm512_set1_epi32(0x10));
+    let low4 = _mm512_set1_epi32(0x0F);
     // Lane j of `high[h]`: byte `16 h + j` of `qh`, shifted so that bit g lands on bit 4
     // after a right shift by g.
     let high: [__m512i; 2] = std::array::from_fn(|h| {
@@ -536,11 +545,15 @@ unsafe fn q5_k_values(b: *const u8, mut f: impl FnMut(usize, __m512)) {
         });
         for (h, &hb) in high.iter().enumerate() {
             let bytes = _mm512_cvtepu8_epi32(_mm_loadu_si128(qs.add(h)));
-            let fifth = |g: usize| {
-                _mm512_and_si512(_mm512_srl_epi32(hb, _mm_cvtsi32_si128(g as i32)), bit4)
-            };
-            let q0 = _mm512_or_si512(_mm512_and_si512(bytes, low4), fifth(2 * p));
-            let q1 = _mm512_or_si512(_mm512_srli_epi32::<4>(bytes), fifth(2 * p + 1));
+            // Bits 0..4 of the index: `vpermt2ps` reads no others, so one bit select (the
+            // nibble where `low4` is set, the shifted `qh` elsewhere) makes each.
+            let fifth = |g: usize| _mm512_srl_epi32(hb, _mm_cvtsi32_si128(g as i32));
+            let q0 = _mm512_ternarylogic_epi32::<0xE4>(bytes, fifth(2 * p), low4);
+            let q1 = _mm512_ternarylogic_epi32::<0xE4>(
+                _mm512_srli_epi32::<4>(bytes),
+                fifth(2 * p + 1),
+                low4,
+            );
             let (t0, t0h) = tables[0];
             let (t1, t1h) = tables[1];
             f(64 * p + 16 * h, _mm512_permutex2var_ps(t0, q0, t0h));
@@ -722,6 +735,31 @@ unsafe fn block_values<const K: u8>(b: *const u8) -> (__m512, __m512) {
 #[cfg(all(test, target_arch = "x86_64"))]
 mod tests {
     use super::*;
+
+    /// The vector unpacking gives each group's scale as the per-group formula does, on
+    /// scale bytes of every pattern.
+    #[test]
+    fn q3_k_scales_are_the_per_group_formula() {
+        if !is_x86_feature_detected!("avx2") {
+            return;
+        }
+        for seed in 0..2000u32 {
+            let sc: [u8; 12] = std::array::from_fn(|i| {
+                (seed.wrapping_mul(2_654_435_761).rotate_left(i as u32 * 3) >> 7) as u8
+                    ^ (i as u8).wrapping_mul(37)
+                    ^ seed as u8
+            });
+            let want: [i8; 16] = std::array::from_fn(|g| {
+                let low = (sc[g % 8] >> (4 * (g / 8))) & 0x0F;
+                let high = (sc[8 + g % 4] >> (2 * (g / 4))) & 0x03;
+                (low | (high << 4)) as i8 - 32
+            });
+            let mut got = [0i8; 16];
+            // SAFETY: AVX2 checked above; 12 readable bytes, 16 writable.
+            unsafe { _mm_storeu_si128(got.as_mut_ptr() as *mut __m128i, q3_k_scales(sc.as_ptr())) };
+            assert_eq!(got, want, "{sc:?}");
+        }
+    }
 
     /// Each lane is its vector's sum, whatever the other vectors hold.
     #[test]
