@@ -13,9 +13,10 @@
 //! `.gguf` file (llama, mistral, qwen2) is a model on its own: configuration, weights and
 //! tokenizer (byte-level BPE vocabularies) from the file, no Python needed.
 //! Greedy unless `--temperature` is above 0; stops at an end-of-generation id unless
-//! `--ignore-eos`: `config.json`'s and `generation_config.json`'s `eos_token_id` for DIR; for
-//! a `.gguf` file its eos / eot / eom ids and its end-of-turn tokens (`<|im_end|>`,
-//! `<|eot_id|>`, `<end_of_turn>`, ...; [`candle_attention::END_OF_TURN_TEXTS`]), as llama.cpp. `--format text` streams the text and ends with one line of timings;
+//! `--ignore-eos`: for DIR `generation_config.json`'s `eos_token_id`, else `config.json`'s;
+//! for a `.gguf` file its eos / eot / eom ids and its end-of-turn tokens (`<|im_end|>`,
+//! `<|eot_id|>`, `<end_of_turn>`, ...; [`candle_attention::END_OF_TURN_TEXTS`]), as
+//! llama.cpp. `--format text` streams the text and ends with one line of timings;
 //! `--format json` prints `{"prompt_ids", "generated_ids", "text", "prefill_ms",
 //! "decode_tokens_per_s"}`. `--logits FILE` writes F32 `logits` `(prompt_len + N - 1,
 //! vocab)`: the prompt's rows, then the row each later token was chosen from.

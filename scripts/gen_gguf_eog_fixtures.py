@@ -84,11 +84,36 @@ def main():
         {"tokenizer.ggml.eot_token_id": 5, "tokenizer.ggml.eom_token_id": 800},
         {7: "<end_of_turn>"},
     )
+    # Every text llama.cpp's list holds but "</s>" (already token 2, the eos), its infill
+    # tokens and one control token it does not stop at; "<|return|>" with "<|call|>" takes
+    # "<|end|>" out (its gpt-oss rule). An eot id past the vocabulary, which it ignores.
+    texts = [
+        "<|eot_id|>", "<|im_end|>", "<|end|>", "<|return|>", "<|call|>", "<|flush|>",
+        "<|calls|>", "<end_of_turn>", "<|endoftext|>", "<|eom_id|>", "<EOT>", "_<EOT>",
+        "[EOT]", "[EOS]", "<|end_of_text|>", "<end_of_utterance>", "<eos>", "<turn|>",
+        "<|fim_pad|>", "<|repo_name|>", "<|file_sep|>", "<|im_start|>",
+    ]
+    copy_with(
+        os.path.join(OUT, "llama_spm_tokenizer.gguf"),
+        os.path.join(OUT, "llama_spm_texts_tokenizer.gguf"),
+        {"tokenizer.ggml.eot_token_id": 5000},
+        {10 + i: t for i, t in enumerate(texts)},
+    )
+    # "<|end|>" kept (no "<|return|>"), "</s>" (the eos) taken out by "<|tool_response>"
+    # (its Gemma 4 rule).
+    copy_with(
+        os.path.join(OUT, "llama_spm_tokenizer.gguf"),
+        os.path.join(OUT, "llama_spm_tool_tokenizer.gguf"),
+        {},
+        {10: "<|end|>", 11: "<|tool_response>", 12: "<|call|>"},
+    )
     files = {}
     for name in [
         "smollm2_tokenizer.gguf",
         "llama_spm_tokenizer.gguf",
         "llama_spm_eot_tokenizer.gguf",
+        "llama_spm_texts_tokenizer.gguf",
+        "llama_spm_tool_tokenizer.gguf",
     ]:
         path = os.path.join(OUT, name)
         with open(path, "rb") as f:

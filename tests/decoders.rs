@@ -137,17 +137,22 @@ fn a_config_that_is_not_a_llama_family_decoder_is_refused() {
 }
 
 #[test]
-fn generation_config_s_end_ids_join_config_s() -> anyhow::Result<()> {
+fn generation_config_s_end_ids_replace_config_s() -> anyhow::Result<()> {
     let dir = common::TempDir::new("generation-config")?;
     let mut cfg = candle_attention::LlamaConfig::from_json(
         r#"{"hidden_size": 8, "intermediate_size": 8, "num_attention_heads": 2, "num_hidden_layers": 1, "vocab_size": 300, "eos_token_id": 7}"#,
     )?;
     cfg.read_generation_config(&dir.0)?; // no file: nothing added
     assert_eq!(cfg.end_of_generation_ids(), [7]);
+    // Its list replaces config.json's, as in transformers' `generate`.
     for (text, want) in [
         (r#"{"eos_token_id": [260, 7, 3]}"#, vec![3, 7, 260]),
-        (r#"{"eos_token_id": 9, "max_length": 20}"#, vec![7, 9]),
+        (r#"{"eos_token_id": 9, "max_length": 20}"#, vec![9]),
         (r#"{"bos_token_id": 1}"#, vec![7]),
+        (
+            r#"{"eos_token_id": ["2", 2.5, -1, 5, 4294967296]}"#,
+            vec![5],
+        ),
     ] {
         let mut c = cfg.clone();
         dir.write("generation_config.json", text.as_bytes())?;

@@ -186,7 +186,7 @@ fn the_end_of_generation_ids_are_llama_cpp_s_without_its_infill_tokens() -> anyh
     let text = std::fs::read_to_string(repo_path("tests/fixtures/gguf/end_of_generation.json"))?;
     let doc: serde_json::Value = serde_json::from_str(&text)?;
     let files = doc["files"].as_object().cloned().unwrap_or_default();
-    assert_eq!(files.len(), 3);
+    assert_eq!(files.len(), 5);
     let ids = |v: &serde_json::Value| -> Vec<u32> {
         v.as_array()
             .into_iter()
@@ -207,7 +207,10 @@ fn the_end_of_generation_ids_are_llama_cpp_s_without_its_infill_tokens() -> anyh
         assert_eq!(file.end_of_generation_ids(), expected, "{name}");
         metadata_ids += usize::from(file.get("tokenizer.ggml.eot_token_id").is_some());
     }
-    assert_eq!(metadata_ids, 1, "one file names its eot / eom ids");
+    assert_eq!(
+        metadata_ids, 2,
+        "two files name an eot id (one past the vocabulary)"
+    );
     Ok(())
 }
 

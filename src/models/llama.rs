@@ -99,11 +99,12 @@ pub struct LlamaConfig {
     /// One id or a list.
     #[serde(default)]
     pub eos_token_id: Option<Value>,
-    /// Further ids that end a generation (see [`LlamaConfig::end_of_generation_ids`]):
-    /// `generation_config.json`'s `eos_token_id` beside a directory's `config.json`, a GGUF
-    /// file's [`GgufFile::end_of_generation_ids`].
+    /// The ids that end a generation where the model's files name them apart from
+    /// `eos_token_id`, used instead of it: `generation_config.json`'s `eos_token_id` beside
+    /// a directory's `config.json` (as transformers' `generate` uses it), a GGUF file's
+    /// [`GgufFile::end_of_generation_ids`] (as llama.cpp stops); `None`: `eos_token_id`.
     #[serde(skip)]
-    pub generation_end_ids: Vec<u32>,
+    pub generation_end_ids: Option<Vec<u32>>,
     /// Beginning-of-sequence id(s), as the config holds them.
     #[serde(default)]
     pub bos_token_id: Option<Value>,
@@ -126,7 +127,8 @@ impl LlamaConfig {
     /// transformers builds when it loads the file).
     pub fn from_gguf(file: &GgufFile) -> Result<Self> {
         let mut cfg = Self::from_value(gguf_layout::hf_config(file)?)?;
-        cfg.generation_end_ids = file.end_of_generation_ids();
+        let ends = file.end_of_generation_ids();
+        cfg.generation_end_ids = (!ends.is_empty()).then_some(ends);
         if let Some(factors) = gguf_layout::rope_freqs(file)? {
             // LLaMA 3.1's scaling as llama.cpp stores it: a divisor per frequency.
             cfg.rope.scaling = RopeScaling::Factors { factors };
@@ -171,19 +173,22 @@ impl LlamaConfig {
         Ok(cfg)
     }
 
-    /// The ids that end a generation, ascending: [`LlamaConfig::eos_ids`] and
-    /// `generation_end_ids` (transformers' `generate` stops at its generation config's list,
-    /// llama.cpp at its end-of-generation set).
+    /// The ids that end a generation, ascending: `generation_end_ids` where the files name
+    /// them, else [`LlamaConfig::eos_ids`].
     pub fn end_of_generation_ids(&self) -> Vec<u32> {
-        let mut ids = self.eos_ids();
-        ids.extend_from_slice(&self.generation_end_ids);
+        let mut ids = match &self.generation_end_ids {
+            Some(ids) => ids.clone(),
+            None => self.eos_ids(),
+        };
         ids.sort_unstable();
         ids.dedup();
         ids
     }
 
-    /// Adds `generation_config.json`'s `eos_token_id` (one id or a list) from `dir`, if the
-    /// file is there, to `generation_end_ids`.
+    /// Reads `generation_config.json`'s `eos_token_id` (one id or a list; entries that are
+    /// not token ids left out) from `dir` into `generation_end_ids`, if the file is there and
+    /// has one. A file that is not JSON is an error naming it (transformers logs it and goes
+    /// on with `config.json`'s).
     pub fn read_generation_config(&mut self, dir: impl AsRef<Path>) -> Result<()> {
         let path = dir.as_ref().join("generation_config.json");
         if !path.exists() {
@@ -192,8 +197,9 @@ impl LlamaConfig {
         let gen: GenerationConfig = read_config_file(&path, |text| {
             serde_json::from_str(text).map_err(|e| Error::config(e.to_string()))
         })?;
-        self.generation_end_ids
-            .extend(ids_of(gen.eos_token_id.as_ref()));
+        if let Some(ids) = gen.eos_token_id {
+            self.generation_end_ids = Some(ids_of(Some(&ids)));
+        }
         Ok(())
     }
 

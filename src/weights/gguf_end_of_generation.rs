@@ -1,8 +1,10 @@
 //! The ids that end a generation for a GGUF file's vocabulary, as llama.cpp's
-//! end-of-generation set has them: the ids its metadata names, and the end-of-turn tokens
-//! it finds by their text (converters often leave `tokenizer.ggml.eot_token_id` out).
+//! end-of-generation set has them (`llama_vocab_is_eog`, llama-cpp-python 0.3.36's): the ids
+//! its metadata names, and the end-of-turn tokens it finds by their text (converters often
+//! leave `tokenizer.ggml.eot_token_id` out). Its fill-in-the-middle tokens, which it also
+//! stops at, are left out: they end an infill, not a turn.
 
-use std::collections::BTreeSet;
+use std::collections::{BTreeSet, HashMap};
 
 use crate::weights::gguf::{GgufFile, GgufValue};
 
@@ -13,44 +15,69 @@ const END_KEYS: [&str; 3] = [
     "tokenizer.ggml.eom_token_id",
 ];
 
-/// Token texts that end a turn or a text in the chat formats llama.cpp knows (its
-/// `special_eog_ids` list; its fill-in-the-middle tokens are left out: they end an infill,
-/// not a turn).
-pub const END_OF_TURN_TEXTS: [&str; 9] = [
+/// Token texts that end a turn or a text in the chat formats llama.cpp knows.
+pub const END_OF_TURN_TEXTS: [&str; 20] = [
     "<|eot_id|>",
     "<|im_end|>",
     "<|end|>",
+    "<|return|>",
+    "<|call|>",
+    "<|flush|>",
+    "<|calls|>",
     "<end_of_turn>",
     "<|endoftext|>",
+    "</s>",
     "<|eom_id|>",
     "<EOT>",
     "_<EOT>",
+    "[EOT]",
+    "[EOS]",
     "<|end_of_text|>",
+    "<end_of_utterance>",
+    "<eos>",
+    "<turn|>",
+    "<|tool_response>",
 ];
 
 impl GgufFile {
-    /// The ids that end a generation, ascending: `tokenizer.ggml.{eos,eot,eom}_token_id`,
-    /// and every token of `tokenizer.ggml.tokens` whose text is one of
-    /// [`END_OF_TURN_TEXTS`]. Empty for a file with neither.
+    /// The ids that end a generation, ascending: `tokenizer.ggml.{eos,eot,eom}_token_id`
+    /// (those inside `tokenizer.ggml.tokens`, when the file has it), and the token of each
+    /// text of [`END_OF_TURN_TEXTS`] in the vocabulary (the last of a repeated text, as
+    /// llama.cpp's map from text to id keeps it); then llama.cpp's two exceptions: `<|end|>`
+    /// is no end beside `<|return|>` and `<|call|>` (gpt-oss) or `<|call|>` / `<|calls|>`
+    /// and `<|flush|>`, and `</s>` none beside `<|tool_response>` (Gemma 4). Empty for a
+    /// file with neither ids nor such tokens.
     pub fn end_of_generation_ids(&self) -> Vec<u32> {
+        let tokens: Option<Vec<&str>> = self
+            .get("tokenizer.ggml.tokens")
+            .and_then(GgufValue::as_array)
+            .map(|t| t.iter().map(|v| v.as_str().unwrap_or_default()).collect());
+        let in_vocab = |id: u64| tokens.as_ref().is_none_or(|t| id < t.len() as u64);
         let mut ids: BTreeSet<u32> = END_KEYS
             .iter()
             .filter_map(|k| self.get(k)?.as_u64())
+            .filter(|&id| in_vocab(id))
             .filter_map(|id| u32::try_from(id).ok())
             .collect();
-        if let Some(tokens) = self
-            .get("tokenizer.ggml.tokens")
-            .and_then(GgufValue::as_array)
-        {
-            for (id, token) in tokens.iter().enumerate() {
-                let is_end = token
-                    .as_str()
-                    .is_some_and(|t| END_OF_TURN_TEXTS.contains(&t));
-                if let (true, Ok(id)) = (is_end, u32::try_from(id)) {
-                    ids.insert(id);
-                }
-            }
-        }
+        let Some(tokens) = tokens else {
+            return ids.into_iter().collect();
+        };
+        let by_text: HashMap<&str, u32> = tokens
+            .iter()
+            .enumerate()
+            .filter_map(|(id, &t)| Some((t, u32::try_from(id).ok()?)))
+            .collect();
+        ids.extend(END_OF_TURN_TEXTS.iter().filter_map(|t| by_text.get(t)));
+        let text = |id: u32| tokens.get(id as usize).copied().unwrap_or_default();
+        let has = |t: &str| ids.iter().any(|&id| text(id) == t);
+        let call = has("<|call|>") || has("<|calls|>");
+        let drop_end = call && (has("<|return|>") || has("<|flush|>"));
+        let drop_s = has("<|tool_response>");
+        ids.retain(|&id| {
+            let t = text(id);
+            let dropped = (drop_end && t == "<|end|>") || (drop_s && t == "</s>");
+            !dropped
+        });
         ids.into_iter().collect()
     }
 }

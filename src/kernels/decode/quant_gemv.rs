@@ -32,8 +32,9 @@ static INT8_ACTIVATIONS: AtomicBool = AtomicBool::new(false);
 /// dot-product instructions, or AVX2's byte multiply-adds. Faster where the unpacking, not
 /// the memory, bounds a product (most of all with AVX2); not exact: the greedy tokens may
 /// leave the f32 model's after a few (see the README). Process-wide; off by default. In
-/// decode steps Q2_K, Q3_K and Q5_K, and CPUs without AVX2, stay exact (Q4_K and Q6_K, the
-/// K-quants of Q4_K_M files, have 8-bit kernels). Prompts of more than a few
+/// decode steps Q2_K and Q3_K (and Q5_K without VNNI), and CPUs without AVX2, stay exact
+/// (Q4_K, Q5_K and Q6_K, the K-quants of Q4_K_M and Q5_K_M files, have 8-bit kernels).
+/// Prompts of more than a few
 /// rows are 8-bit with AVX-512 VNNI, every integer block type (K-quants too) in one matrix
 /// product (about 2.8x the f32 micro-kernels' rate on AMD Zen 4), and exact elsewhere. On
 /// CUDA the same switch picks candle's quantized kernels (which round the activations to 8
@@ -633,6 +634,63 @@ mod tests {
             assert!(short.iter().all(|&v| v == 7.0));
         }
         Ok(())
+    }
+
+    /// Every row kernel (AVX-512, AVX2 + FMA + F16C) makes each value of a row of arbitrary
+    /// bytes exactly as gguf-py does: the row times a unit vector is that value of
+    /// `blocks::dequantize` (zeros of either sign equal), for every type it takes, on rows
+    /// whose values are all finite.
+    #[test]
+    fn row_kernels_make_each_value_exactly() {
+        type Supports = fn(QuantType) -> bool;
+        type RowDot = fn(QuantType, &[u8], &[f32]) -> Option<f32>;
+        let kernels: [(&str, Supports, RowDot); 2] = [
+            (
+                "avx512",
+                quant_gemv_avx512::supports,
+                quant_gemv_avx512::row_dot,
+            ),
+            ("avx2", quant_gemv_avx2::supports, quant_gemv_avx2::row_dot),
+        ];
+        let mut state = 0x2545_F491_4F6C_DD1Du64;
+        let mut byte = || {
+            state ^= state << 13;
+            state ^= state >> 7;
+            state ^= state << 17;
+            state as u8
+        };
+        for (name, supports, row_dot) in kernels {
+            for ty in ROW_KERNEL_TYPES {
+                if !supports(ty) {
+                    continue;
+                }
+                let cols = 512;
+                let Some(row_bytes) = ty.bytes_of(cols) else {
+                    panic!("{ty}: {cols} values are no whole blocks");
+                };
+                let mut checked = 0;
+                for _ in 0..200 {
+                    let row: Vec<u8> = (0..row_bytes).map(|_| byte()).collect();
+                    let mut w = vec![0f32; cols];
+                    assert!(blocks::dequantize(ty, &row, &mut w));
+                    if !w.iter().all(|v| v.is_finite()) {
+                        continue;
+                    }
+                    let mut x = vec![0f32; cols];
+                    for k in 0..cols {
+                        x[k] = 1.0;
+                        let got = row_dot(ty, &row, &x);
+                        x[k] = 0.0;
+                        assert_eq!(got, Some(w[k]), "{name} {ty} value {k}");
+                    }
+                    checked += 1;
+                    if checked == 3 {
+                        break;
+                    }
+                }
+                assert_eq!(checked, 3, "{name} {ty}: too few finite rows");
+            }
+        }
     }
 
     /// Each row kernel's dot product (AVX-512, AVX2 + FMA + F16C) against the same weight

@@ -1,5 +1,5 @@
 //! AVX-512 dot products of one GGUF weight row with `x`, for the 32-value block types
-//! (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0) and the K-quants of Q4_K_M files (Q4_K, Q6_K): each block
+//! (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0) and the K-quants (Q2_K-Q6_K): each block
 //! is unpacked in registers, its values made exactly as gguf-py makes them (`d * q + m` as a
 //! product then a sum), and multiplied into f32 accumulators as they go, so the weight is
 //! read once and never written out. The 4- and 5-bit types (and Q4_K's groups) look their
@@ -67,7 +67,7 @@ pub(crate) fn rows_dots<const R: usize>(
     };
     #[cfg(target_arch = "x86_64")]
     {
-        // SAFETY: AVX-512F checked by `supports`; `rows` holds `n` rows of `inp / 32` whole
+        // SAFETY: AVX-512F checked by `supports`; `rows` holds `n` rows of whole
         // blocks, `xs` `R` rows of `inp` values, `out` `(n - 1) ldo + R` floats.
         unsafe { rows_dots_avx512::<R>(ty, rows, row_bytes, xs.as_ptr(), inp, out, ldo) };
         true
@@ -86,7 +86,7 @@ use crate::kernels::decode::quant_gemv::kind::{Q4_0, Q4_1, Q5_0, Q5_1, Q8_0};
 /// [`rows_dots`] once checked.
 ///
 /// # Safety
-/// AVX-512F; `rows` holds whole rows of `row_bytes` (`inp / 32` blocks of `ty` each), `xs`
+/// AVX-512F; `rows` holds whole rows of `row_bytes` (`inp` values in blocks of `ty`), `xs`
 /// `R` rows of `inp` values, `out` `(rows - 1) ldo + R` floats.
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx512f")]
@@ -356,16 +356,21 @@ unsafe fn sum16(v: &[__m512; 16]) -> __m512 {
 }
 
 /// The K-quant kinds [`dot_k`] takes, as const parameters.
+#[cfg(target_arch = "x86_64")]
 const Q2K: u8 = 0;
+#[cfg(target_arch = "x86_64")]
 const Q3K: u8 = 1;
+#[cfg(target_arch = "x86_64")]
 const Q4K: u8 = 2;
+#[cfg(target_arch = "x86_64")]
 const Q5K: u8 = 3;
+#[cfg(target_arch = "x86_64")]
 const Q6K: u8 = 4;
 
-/// Q4_K rows (`{ f16 d; f16 dmin; u8 scales[12]; u8 qs[128] }` per 256 values,
-/// [`q4_k_values`]), Q5_K rows (the same with `u8 qh[32]` before `qs`, [`q5_k_values`]) or
-/// Q6_K rows (`{ u8 ql[128]; u8 qh[64]; i8 scales[16]; f16 d }`, [`q6_k_values`]): four
-/// accumulators a row, summed by the caller.
+/// K-quant rows of kind `K`, 256 values a block: Q2_K and Q3_K ([`q2_q3_k_values`]), Q4_K
+/// (`{ f16 d; f16 dmin; u8 scales[12]; u8 qs[128] }`, [`q4_k_values`]), Q5_K (the same with
+/// `u8 qh[32]` before `qs`, [`q5_k_values`]) or Q6_K (`{ u8 ql[128]; u8 qh[64]; i8
+/// scales[16]; f16 d }`, [`q6_k_values`]): four accumulators a row, summed by the caller.
 #[cfg(target_arch = "x86_64")]
 #[inline]
 #[target_feature(enable = "avx512f")]
@@ -387,7 +392,8 @@ unsafe fn dot_k<const R: usize, const K: u8>(
             Q3K => q2_q3_k_values::<true>(row.as_ptr().add(blk * 110), add),
             Q6K => q6_k_values(row.as_ptr().add(blk * 210), add),
             Q5K => q5_k_values(row.as_ptr().add(blk * 176), add),
-            _ => q4_k_values(row.as_ptr().add(blk * 144), add),
+            Q4K => q4_k_values(row.as_ptr().add(blk * 144), add),
+            _ => {}
         }
     }
     acc
