@@ -27,6 +27,7 @@ fuzz_target!(|data: &[u8]| {
     // The model configuration and the tokenizer built from the metadata (byte-level or
     // SentencePiece, merges from the file or derived from the scores, rope_freqs).
     let _ = candle_attention::LlamaConfig::from_gguf(&file);
+    let _ = file.end_of_generation_ids();
     let _ = candle_attention::TextEncoder::from_gguf(&file);
     // The chat template in the metadata, parsed and rendered (its work is bounded).
     if let Ok(Some(template)) = candle_attention::ChatTemplate::from_gguf(&file) {

@@ -4,7 +4,7 @@
 //! leave `tokenizer.ggml.eot_token_id` out). Its fill-in-the-middle tokens, which it also
 //! stops at, are left out: they end an infill, not a turn.
 
-use std::collections::{BTreeSet, HashMap};
+use std::collections::BTreeSet;
 
 use crate::weights::gguf::{GgufFile, GgufValue};
 
@@ -62,12 +62,17 @@ impl GgufFile {
         let Some(tokens) = tokens else {
             return ids.into_iter().collect();
         };
-        let by_text: HashMap<&str, u32> = tokens
-            .iter()
-            .enumerate()
-            .filter_map(|(id, &t)| Some((t, u32::try_from(id).ok()?)))
-            .collect();
-        ids.extend(END_OF_TURN_TEXTS.iter().filter_map(|t| by_text.get(t)));
+        // The last id of each text (every one starts with `<`, `_` or `[`).
+        let mut last: [Option<u32>; END_OF_TURN_TEXTS.len()] = [None; END_OF_TURN_TEXTS.len()];
+        for (id, &t) in tokens.iter().enumerate() {
+            if !matches!(t.as_bytes().first(), Some(b'<' | b'_' | b'[')) {
+                continue;
+            }
+            if let Some(i) = END_OF_TURN_TEXTS.iter().position(|&e| e == t) {
+                last[i] = u32::try_from(id).ok();
+            }
+        }
+        ids.extend(last.into_iter().flatten());
         let text = |id: u32| tokens.get(id as usize).copied().unwrap_or_default();
         let has = |t: &str| ids.iter().any(|&id| text(id) == t);
         let call = has("<|call|>") || has("<|calls|>");
@@ -79,5 +84,18 @@ impl GgufFile {
             !dropped
         });
         ids.into_iter().collect()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The scan's first-byte filter lets every end-of-turn text through.
+    #[test]
+    fn every_text_starts_with_a_byte_the_scan_looks_at() {
+        for t in END_OF_TURN_TEXTS {
+            assert!(matches!(t.as_bytes()[0], b'<' | b'_' | b'['), "{t}");
+        }
     }
 }
