@@ -32,9 +32,8 @@ static INT8_ACTIVATIONS: AtomicBool = AtomicBool::new(false);
 /// dot-product instructions, or AVX2's byte multiply-adds. Faster where the unpacking, not
 /// the memory, bounds a product (most of all with AVX2); not exact: the greedy tokens may
 /// leave the f32 model's after a few (see the README). Process-wide; off by default. In
-/// decode steps Q2_K and Q3_K (and Q5_K without VNNI), and CPUs without AVX2, stay exact
-/// (Q4_K, Q5_K and Q6_K, the K-quants of Q4_K_M and Q5_K_M files, have 8-bit kernels).
-/// Prompts of more than a few
+/// decode steps every block type has 8-bit kernels with AVX-512 VNNI; with AVX2 alone
+/// Q2_K, Q3_K and Q5_K stay exact, and so do CPUs without AVX2. Prompts of more than a few
 /// rows are 8-bit with AVX-512 VNNI, every integer block type (K-quants too) in one matrix
 /// product (about 2.8x the f32 micro-kernels' rate on AMD Zen 4), and exact elsewhere. On
 /// CUDA the same switch picks candle's quantized kernels (which round the activations to 8
@@ -57,8 +56,9 @@ const GROUP: usize = 4;
 /// docs/performance.md).
 const TASKS_PER_THREAD: usize = 2;
 
-/// The block types the exact (f32) SIMD row kernels take: those of real files' matrices
-/// (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0 and the K-quants Q2_K-Q6_K).
+/// The block types the SIMD row kernels take, exact (AVX-512, AVX2) and 8-bit (AVX-512
+/// VNNI): those of real files' matrices (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0 and the K-quants
+/// Q2_K-Q6_K).
 #[cfg_attr(not(target_arch = "x86_64"), allow(dead_code))]
 pub(crate) const ROW_KERNEL_TYPES: [QuantType; 10] = [
     QuantType::Q4_0,
@@ -73,21 +73,8 @@ pub(crate) const ROW_KERNEL_TYPES: [QuantType; 10] = [
     QuantType::Q6K,
 ];
 
-/// The block types the AVX-512 VNNI 8-bit row kernels take; the others run exact with
-/// `--int8-activations` too.
-#[cfg_attr(not(target_arch = "x86_64"), allow(dead_code))]
-pub(crate) const INT8_VNNI_TYPES: [QuantType; 8] = [
-    QuantType::Q4_0,
-    QuantType::Q4_1,
-    QuantType::Q5_0,
-    QuantType::Q5_1,
-    QuantType::Q8_0,
-    QuantType::Q4K,
-    QuantType::Q5K,
-    QuantType::Q6K,
-];
-
-/// The block types the AVX2 8-bit row kernels take.
+/// The block types the AVX2 8-bit row kernels take (Q2_K, Q3_K and Q5_K run exact there
+/// with `--int8-activations` too).
 #[cfg_attr(not(target_arch = "x86_64"), allow(dead_code))]
 pub(crate) const INT8_AVX2_TYPES: [QuantType; 7] = [
     QuantType::Q4_0,

@@ -24,7 +24,7 @@ use std::arch::x86_64::*;
 
 use crate::kernels::decode::lines::Lines;
 #[cfg(any(target_arch = "x86_64", test))]
-use crate::kernels::decode::quant_gemv::INT8_VNNI_TYPES;
+use crate::kernels::decode::quant_gemv::ROW_KERNEL_TYPES;
 #[cfg(target_arch = "x86_64")]
 use crate::kernels::decode::quant_gemv_int8_avx2;
 use crate::kernels::quant::blocks::QuantType;
@@ -165,8 +165,8 @@ unsafe fn quantize_block_avx2(x: *const f32, q: *mut i8) -> (f32, i32) {
 
 /// Whether this CPU runs these kernels for `ty`: AVX-512 F, BW, VL and VNNI (the
 /// instruction set not capped below AVX-512), for the types of
-/// [`crate::kernels::decode::quant_gemv::INT8_VNNI_TYPES`] (the 32-value types, Q4_K, Q5_K
-/// and Q6_K).
+/// [`crate::kernels::decode::quant_gemv::ROW_KERNEL_TYPES`] (the 32-value types and the
+/// K-quants).
 pub(crate) fn supports(ty: QuantType) -> bool {
     #[cfg(target_arch = "x86_64")]
     {
@@ -181,7 +181,7 @@ pub(crate) fn supports(ty: QuantType) -> bool {
                 && is_x86_feature_detected!("f16c")
                 && is_x86_feature_detected!("fma")
         });
-        cpu && matches!(isa(), Isa::Avx512) && INT8_VNNI_TYPES.contains(&ty)
+        cpu && matches!(isa(), Isa::Avx512) && ROW_KERNEL_TYPES.contains(&ty)
     }
     #[cfg(not(target_arch = "x86_64"))]
     {
@@ -288,6 +288,8 @@ unsafe fn rows_dots_vnni<const R: usize>(
         QuantType::Q4K => each_row!(dot_q4_k::<FOUR_BITS>),
         QuantType::Q5K => each_row!(dot_q4_k::<FIVE_BITS>),
         QuantType::Q6K => each_row!(dot_q6_k),
+        QuantType::Q2K => each_row!(dot_q2_q3_k::<TWO_BITS>),
+        QuantType::Q3K => each_row!(dot_q2_q3_k::<THREE_BITS>),
         _ => each_row!(dot_pairs::<Q5_1>),
     }
 }
@@ -542,6 +544,134 @@ unsafe fn dot_q4_k<const Q5: bool, const R: usize>(
     out
 }
 
+/// [`dot_q2_q3_k`]'s `Q3` for Q2_K and Q3_K rows.
+const TWO_BITS: bool = false;
+const THREE_BITS: bool = true;
+
+/// One Q2_K row (`{ u8 scales[16]; u8 qs[64]; f16 d; f16 dmin }` per 256 values) or, with
+/// `Q3`, Q3_K row (`{ u8 hmask[32]; u8 qs[64]; u8 scales[12]; f16 d }`) against `x`: value
+/// `128 h + 32 j + l` holds the two bits `qs[32 h + l] >> 2 j` (Q3_K: and bit `4 h + j` of
+/// `hmask[l]` as its third, the value `q - 4`), in group `g = 8 h + 2 j + l / 16`. Each 64
+/// values in order are one 512-bit `vpdpbusd` of the unsigned bits against `x`'s bytes, 4
+/// lanes a 16-value group scaled by `d sc_g dx` (Q2_K: `d (sc_g & 15) dx`). The offsets
+/// come from `x`'s `-32 sum qx` per 4 values: Q3_K's `-4 sum qx` (an exact shift) starts
+/// the sums; Q2_K's `-dmin (sc_g >> 4) dx sum qx` is those lanes times `dmin m_g dx / 32`.
+///
+/// # Safety
+/// As [`dot_pairs`] (`b0` at `xs[0].d.len() / 8` whole blocks).
+#[cfg(target_arch = "x86_64")]
+#[inline]
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,f16c,fma,avx2")]
+unsafe fn dot_q2_q3_k<const Q3: bool, const R: usize>(
+    b0: *const u8,
+    xs: &[QuantizedX],
+) -> [__m512; R] {
+    use crate::kernels::decode::quant_gemv_avx2::{half_before, halves_at, q3_k_scales};
+    let n = xs[0].d.len() / 8;
+    let mut acc = [_mm512_setzero_ps(); R];
+    let (size, qs_at) = if Q3 { (110, 32) } else { (84, 16) };
+    let (twos, ones) = (_mm256_set1_epi8(0x03), _mm256_set1_epi8(0x01));
+    // Group g's `dx`: `x`'s block g / 2; chunk c's lanes: 4 each from groups 4c..4c + 4.
+    let halves = _mm512_setr_epi32(0, 0, 1, 1, 2, 2, 3, 3, 4, 4, 5, 5, 6, 6, 7, 7);
+    let quads: [__m512i; 4] = std::array::from_fn(|c| {
+        let g = 4 * c as i32;
+        _mm512_setr_epi32(
+            g,
+            g,
+            g,
+            g,
+            g + 1,
+            g + 1,
+            g + 1,
+            g + 1,
+            g + 2,
+            g + 2,
+            g + 2,
+            g + 2,
+            g + 3,
+            g + 3,
+            g + 3,
+            g + 3,
+        )
+    });
+    let shift = |v: __m256i, k: usize| _mm256_srl_epi16(v, _mm_cvtsi32_si128(k as i32));
+    for blk in 0..n {
+        let b = b0.add(blk * size);
+        // `dl` (and Q2_K's `ml`) of group g in lane g.
+        let (dl, ml) = if Q3 {
+            let sc = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(q3_k_scales(b.add(96))));
+            let d = _mm512_set1_ps(half_before(b.add(110)));
+            (_mm512_mul_ps(d, sc), _mm512_setzero_ps())
+        } else {
+            let sc = _mm512_cvtepu8_epi32(_mm_loadu_si128(b as *const __m128i));
+            let dm = halves_at(b.add(80));
+            let (d, dmin) = (
+                _mm512_broadcastss_ps(dm),
+                _mm512_broadcastss_ps(_mm_movehdup_ps(dm)),
+            );
+            let low = _mm512_and_si512(sc, _mm512_set1_epi32(0x0F));
+            (
+                _mm512_mul_ps(d, _mm512_cvtepi32_ps(low)),
+                _mm512_mul_ps(dmin, _mm512_cvtepi32_ps(_mm512_srli_epi32::<4>(sc))),
+            )
+        };
+        // Chunk c = 2 h + p: values 128 h + 64 p.., `j` = 2 p and 2 p + 1.
+        let hmask = if Q3 {
+            _mm256_loadu_si256(b as *const __m256i)
+        } else {
+            _mm256_setzero_si256()
+        };
+        let mut w = [_mm512_setzero_si512(); 4];
+        for h in 0..2 {
+            let q = _mm256_loadu_si256(b.add(qs_at + 32 * h) as *const __m256i);
+            for p in 0..2 {
+                let part = |j: usize| {
+                    let bits = _mm256_and_si256(shift(q, 2 * j), twos);
+                    if Q3 {
+                        let third = _mm256_and_si256(shift(hmask, 4 * h + j), ones);
+                        _mm256_or_si256(bits, _mm256_slli_epi16::<2>(third))
+                    } else {
+                        bits
+                    }
+                };
+                let (lo, hi) = (part(2 * p), part(2 * p + 1));
+                w[2 * h + p] = _mm512_inserti64x4::<1>(_mm512_castsi256_si512(lo), hi);
+            }
+        }
+        for r in 0..R {
+            let x = &xs[r];
+            let dx = _mm512_castps256_ps512(_mm256_loadu_ps(x.d.as_ptr().add(8 * blk)));
+            let dx = _mm512_permutexvar_ps(halves, dx);
+            let f = _mm512_mul_ps(dl, dx);
+            let fm = _mm512_mul_ps(_mm512_mul_ps(ml, dx), _mm512_set1_ps(1.0 / 32.0));
+            for (c, (wc, qc)) in w.iter().zip(&quads).enumerate() {
+                let at = 256 * blk + 64 * c;
+                let offsets = _mm512_loadu_si512(x.offsets.as_ptr().add(at / 4) as *const _);
+                let xq = _mm512_loadu_si512(x.qs.as_ptr().add(at) as *const _);
+                let start = if Q3 {
+                    _mm512_srai_epi32::<3>(offsets)
+                } else {
+                    _mm512_setzero_si512()
+                };
+                let sums = _mm512_dpbusd_epi32(start, *wc, xq);
+                acc[r] = _mm512_fmadd_ps(
+                    _mm512_cvtepi32_ps(sums),
+                    _mm512_permutexvar_ps(*qc, f),
+                    acc[r],
+                );
+                if !Q3 {
+                    acc[r] = _mm512_fmadd_ps(
+                        _mm512_cvtepi32_ps(offsets),
+                        _mm512_permutexvar_ps(*qc, fm),
+                        acc[r],
+                    );
+                }
+            }
+        }
+    }
+    acc
+}
+
 /// One Q6_K row against `x`: per block of 256 values, `{ u8 ql[128]; u8 qh[64]; i8
 /// scales[16]; f16 d }`, value `128 h + 32 t + l` is `d scales[8 h + 2 t + l / 16] (q - 32)`,
 /// the low four bits of `q` from `ql[64 h + 32 (t % 2) + l] >> 4 (t / 2)`, the high two from
@@ -729,7 +859,7 @@ mod tests {
             (supports, row_dot, &vnni),
             (avx2::supports, avx2::row_dot, &avx2),
         ];
-        let cases = INT8_VNNI_TYPES.into_iter().flat_map(widths);
+        let cases = ROW_KERNEL_TYPES.into_iter().flat_map(widths);
         for ((ty, cols), (supports, row_dot, multi)) in cases.flat_map(|c| kernels.map(|k| (c, k)))
         {
             if !supports(ty) {
@@ -782,7 +912,7 @@ mod tests {
         use crate::kernels::decode::quant_gemv_int8_avx2 as avx2;
         let kernels: [(Supports, Dot); 2] = [(supports, row_dot), (avx2::supports, avx2::row_dot)];
         // An even number of blocks a row, and an odd one (its last block alone).
-        let cases = INT8_VNNI_TYPES.into_iter().flat_map(widths);
+        let cases = ROW_KERNEL_TYPES.into_iter().flat_map(widths);
         for ((ty, cols), (supports, row_dot)) in cases.flat_map(|c| kernels.map(|k| (c, k))) {
             if !supports(ty) {
                 continue;
