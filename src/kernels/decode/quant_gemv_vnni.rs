@@ -544,6 +544,35 @@ unsafe fn dot_q4_k<const Q5: bool, const R: usize>(
     out
 }
 
+/// The lanes of a 64-value chunk's `vpdpbusd` sums by 16-value group, as indices into a
+/// vector of the 16 groups' factors: chunk `c`'s lanes 4 each from groups `4 c..4 c + 4`.
+#[cfg(target_arch = "x86_64")]
+#[inline]
+#[target_feature(enable = "avx512f")]
+unsafe fn group_quads() -> [__m512i; 4] {
+    std::array::from_fn(|c| {
+        let g = 4 * c as i32;
+        _mm512_setr_epi32(
+            g,
+            g,
+            g,
+            g,
+            g + 1,
+            g + 1,
+            g + 1,
+            g + 1,
+            g + 2,
+            g + 2,
+            g + 2,
+            g + 2,
+            g + 3,
+            g + 3,
+            g + 3,
+            g + 3,
+        )
+    })
+}
+
 /// [`dot_q2_q3_k`]'s `Q3` for Q2_K and Q3_K rows.
 const TWO_BITS: bool = false;
 const THREE_BITS: bool = true;
@@ -571,29 +600,9 @@ unsafe fn dot_q2_q3_k<const Q3: bool, const R: usize>(
     let mut acc = [_mm512_setzero_ps(); R];
     let (size, qs_at) = if Q3 { (110, 32) } else { (84, 16) };
     let (twos, ones) = (_mm256_set1_epi8(0x03), _mm256_set1_epi8(0x01));
-    // Group g's `dx`: `x`'s block g / 2; chunk c's lanes: 4 each from groups 4c..4c + 4.
+    // Group g's `dx`: `x`'s block g / 2.
     let halves = _mm512_setr_epi32(0, 0, 1, 1, 2, 2, 3, 3, 4, 4, 5, 5, 6, 6, 7, 7);
-    let quads: [__m512i; 4] = std::array::from_fn(|c| {
-        let g = 4 * c as i32;
-        _mm512_setr_epi32(
-            g,
-            g,
-            g,
-            g,
-            g + 1,
-            g + 1,
-            g + 1,
-            g + 1,
-            g + 2,
-            g + 2,
-            g + 2,
-            g + 2,
-            g + 3,
-            g + 3,
-            g + 3,
-            g + 3,
-        )
-    });
+    let quads = group_quads();
     let shift = |v: __m256i, k: usize| _mm256_srl_epi16(v, _mm_cvtsi32_si128(k as i32));
     for blk in 0..n {
         let b = b0.add(blk * size);
@@ -691,29 +700,7 @@ unsafe fn dot_q6_k<const R: usize>(b0: *const u8, xs: &[QuantizedX]) -> [__m512;
     let (fours, twos) = (_mm512_set1_epi8(0x0F), _mm256_set1_epi8(0x03));
     // Group g's `dx`: `x`'s block g / 2.
     let halves = _mm512_setr_epi32(0, 0, 1, 1, 2, 2, 3, 3, 4, 4, 5, 5, 6, 6, 7, 7);
-    // Chunk c's lanes: 4 each from groups 4c..4c + 4.
-    let quad = |c: i32| {
-        let g = 4 * c;
-        _mm512_setr_epi32(
-            g,
-            g,
-            g,
-            g,
-            g + 1,
-            g + 1,
-            g + 1,
-            g + 1,
-            g + 2,
-            g + 2,
-            g + 2,
-            g + 2,
-            g + 3,
-            g + 3,
-            g + 3,
-            g + 3,
-        )
-    };
-    let quads = [quad(0), quad(1), quad(2), quad(3)];
+    let quads = group_quads();
     for blk in 0..n {
         let b = b0.add(blk * 210);
         let scales = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(
