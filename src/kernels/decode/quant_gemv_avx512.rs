@@ -399,6 +399,20 @@ unsafe fn dot_k<const R: usize, const K: u8>(
     acc
 }
 
+/// A Q4_K / Q5_K block's `dl` (`d * sc_g`) of its 8 groups in lanes 0..8 and their `ml`
+/// (`dmin * m_g`) in lanes 8..16, from `{ f16 d; f16 dmin; u8 scales[12] }` at `b`.
+#[cfg(target_arch = "x86_64")]
+#[inline]
+#[target_feature(enable = "avx512f")]
+unsafe fn k4_scales_mins(b: *const u8) -> __m512 {
+    // Lanes 0..8 pick `d`, lanes 8..16 `dmin`.
+    let d_then_dmin = _mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1);
+    let dm = _mm512_permutexvar_ps(d_then_dmin, _mm512_castps128_ps512(halves_at(b)));
+    let (sc, mins) = scales_mins_k4(&*(b.add(4) as *const [u8; 12]));
+    let sm = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_set_epi64x(mins as i64, sc as i64)));
+    _mm512_mul_ps(dm, sm)
+}
+
 /// The 256 values of the Q4_K block at `b`, 16 at a time: `f(at, v)` for values `at..at +
 /// 16` (each `at` once, in an order the dot kernel's accumulators follow). Group `g` (32
 /// values) is `d * sc_g * q - dmin * m_g` over the low (even `g`) or high (odd) nibbles of
@@ -410,14 +424,7 @@ unsafe fn dot_k<const R: usize, const K: u8>(
 #[target_feature(enable = "avx512f")]
 unsafe fn q4_k_values(b: *const u8, mut f: impl FnMut(usize, __m512)) {
     let iota = iota16();
-    // Lanes 0..8 pick `d`, lanes 8..16 `dmin`.
-    let d_then_dmin = _mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1);
-    // Lanes 0..8: `dl` of the 8 groups (`d * sc`); lanes 8..16: their `ml`.
-    let dm = _mm512_castps128_ps512(halves_at(b));
-    let dm = _mm512_permutexvar_ps(d_then_dmin, dm);
-    let (sc, mins) = scales_mins_k4(&*(b.add(4) as *const [u8; 12]));
-    let sm = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_set_epi64x(mins as i64, sc as i64)));
-    let sm = _mm512_mul_ps(dm, sm);
+    let sm = k4_scales_mins(b);
     for p in 0..4 {
         let qs = b.add(16 + 32 * p) as *const __m128i;
         // Group 2p: the low nibbles; group 2p + 1: the high ones.
@@ -526,12 +533,7 @@ unsafe fn q2_q3_k_values<const Q3: bool>(b: *const u8, mut f: impl FnMut(usize, 
 unsafe fn q5_k_values(b: *const u8, mut f: impl FnMut(usize, __m512)) {
     let iota = iota16();
     let iota_hi = _mm512_add_ps(iota, _mm512_set1_ps(16.0));
-    let d_then_dmin = _mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1);
-    let dm = _mm512_castps128_ps512(halves_at(b));
-    let dm = _mm512_permutexvar_ps(d_then_dmin, dm);
-    let (sc, mins) = scales_mins_k4(&*(b.add(4) as *const [u8; 12]));
-    let sm = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_set_epi64x(mins as i64, sc as i64)));
-    let sm = _mm512_mul_ps(dm, sm);
+    let sm = k4_scales_mins(b);
     let low4 = _mm512_set1_epi32(0x0F);
     // Lane j of `high[h]`: byte `16 h + j` of `qh`, shifted so that bit g lands on bit 4
     // after a right shift by g.
