@@ -73,19 +73,6 @@ pub(crate) const ROW_KERNEL_TYPES: [QuantType; 10] = [
     QuantType::Q6K,
 ];
 
-/// The block types the AVX2 8-bit row kernels take (Q2_K, Q3_K and Q5_K run exact there
-/// with `--int8-activations` too).
-#[cfg_attr(not(target_arch = "x86_64"), allow(dead_code))]
-pub(crate) const INT8_AVX2_TYPES: [QuantType; 7] = [
-    QuantType::Q4_0,
-    QuantType::Q4_1,
-    QuantType::Q5_0,
-    QuantType::Q5_1,
-    QuantType::Q8_0,
-    QuantType::Q4K,
-    QuantType::Q6K,
-];
-
 /// The 32-value block types as const parameters of the row kernels (one loop compiled per
 /// type).
 #[cfg(target_arch = "x86_64")]

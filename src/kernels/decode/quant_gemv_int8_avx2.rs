@@ -5,8 +5,8 @@
 //! those into 32-bit lanes), then one scaled FMA. Q8_0's signed weights go in as their
 //! magnitudes with their signs moved onto `x` (`vpsignb`), so that no 16-bit sum
 //! saturates (at most 2 x 128 x 127); the other types as in
-//! [`crate::kernels::decode::quant_gemv_vnni`], with their offset or `m` terms, Q4_K and
-//! Q6_K (256-value blocks) a 32-value group at a time with its own scale. Each block is
+//! [`crate::kernels::decode::quant_gemv_vnni`], with their offset or `m` terms, the K-quants
+//! (256-value blocks) 32 values at a time with their groups' scales. Each block is
 //! unpacked once for up to 2 rows of `x`, and the 32-value types' scales are converted 8
 //! blocks at a time.
 
@@ -19,12 +19,10 @@ use crate::kernels::decode::quant_gemv_vnni::{rows_dots_shape, QuantizedX};
 use crate::kernels::quant::blocks::QuantType;
 
 /// Whether this CPU runs these kernels for `ty`: where it runs the exact AVX2 ones (AVX2,
-/// FMA and F16C, the instruction set not capped below AVX2), for the types of
-/// [`crate::kernels::decode::quant_gemv::INT8_AVX2_TYPES`] (the 32-value types, Q4_K and
-/// Q6_K).
+/// FMA and F16C, the instruction set not capped below AVX2; the types of
+/// [`crate::kernels::decode::quant_gemv::ROW_KERNEL_TYPES`]).
 pub(crate) fn supports(ty: QuantType) -> bool {
     crate::kernels::decode::quant_gemv_avx2::supports(ty)
-        && crate::kernels::decode::quant_gemv::INT8_AVX2_TYPES.contains(&ty)
 }
 
 /// `sum_k W[k] x[k]` for one row of `ty` blocks against `x` quantized; `None` when this CPU
@@ -54,6 +52,7 @@ pub(crate) fn rows_dots<const R: usize>(
     {
         use crate::kernels::decode::prefetch::{rows_ahead, AHEAD};
         use crate::kernels::decode::quant_gemv::kind::{Q4_0, Q4_1, Q5_0, Q5_1, Q8_0};
+        use crate::kernels::decode::quant_gemv_vnni::{FIVE_BITS, FOUR_BITS, THREE_BITS, TWO_BITS};
         let end = rows.as_ptr_range().end;
         // Each row's lines requested `AHEAD` bytes ahead.
         macro_rules! each_row {
@@ -72,8 +71,11 @@ pub(crate) fn rows_dots<const R: usize>(
             QuantType::Q4_0 => each_row!(dot::<Q4_0>),
             QuantType::Q4_1 => each_row!(dot::<Q4_1>),
             QuantType::Q5_0 => each_row!(dot::<Q5_0>),
-            QuantType::Q4K => each_row!(dot_q4_k),
+            QuantType::Q4K => each_row!(dot_q4_k::<FOUR_BITS>),
+            QuantType::Q5K => each_row!(dot_q4_k::<FIVE_BITS>),
             QuantType::Q6K => each_row!(dot_q6_k),
+            QuantType::Q2K => each_row!(dot_q2_q3_k::<TWO_BITS>),
+            QuantType::Q3K => each_row!(dot_q2_q3_k::<THREE_BITS>),
             _ => each_row!(dot::<Q5_1>),
         }
         true
@@ -228,34 +230,54 @@ pub(crate) unsafe fn halves8(p: *const u8, stride: usize) -> __m256 {
     _mm256_cvtph_ps(_mm_set_epi64x(hi as i64, lo as i64))
 }
 
-/// One Q4_K row against each of the `R` rows of `xs` (the layout in `quant_gemv_vnni`'s
-/// kernel): per 32-value group `g`, its nibbles against `x`'s block `g` in `vpmaddubsw` and
-/// `vpmaddwd`, scaled by `d sc_g dx_g`; the `dmin m_g dsum_g` terms summed apart.
+/// One Q4_K row (with `Q5`, Q5_K: `u8 qh[32]` before `qs`, bit `g` of `qh[l]` the fifth bit
+/// of value `l` of group `g`) against each of the `R` rows of `xs` (the layout in
+/// `quant_gemv_vnni`'s kernel): per 32-value group `g`, its 4- or 5-bit values against `x`'s
+/// block `g` in `vpmaddubsw` and `vpmaddwd`, scaled by `d sc_g dx_g`; the `dmin m_g dsum_g`
+/// terms summed apart.
 ///
 /// # Safety
 /// AVX2, FMA and F16C; `b0` points at `xs[0].d.len() / 8` whole blocks, `xs` holds `R` rows
 /// of that many.
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx2,fma,f16c")]
-unsafe fn dot_q4_k<const R: usize>(b0: *const u8, xs: &[QuantizedX]) -> [f32; R] {
+unsafe fn dot_q4_k<const Q5: bool, const R: usize>(b0: *const u8, xs: &[QuantizedX]) -> [f32; R] {
     use crate::kernels::decode::quant_gemv_avx2::{halves_at, hsum};
     use crate::kernels::quant::blocks::scales_mins_k4;
     let (mut even, mut odd) = ([_mm256_setzero_ps(); R], [_mm256_setzero_ps(); R]);
     let mut terms = [0f32; R];
-    let (mask, ones) = (_mm256_set1_epi8(0x0F), _mm256_set1_epi16(1));
+    let (mask, one, ones) = (
+        _mm256_set1_epi8(0x0F),
+        _mm256_set1_epi8(1),
+        _mm256_set1_epi16(1),
+    );
+    let (size, qs_at) = if Q5 { (176, 48) } else { (144, 16) };
     for blk in 0..xs[0].d.len() / 8 {
-        let b = b0.add(blk * 144);
+        let b = b0.add(blk * size);
         let dm = halves_at(b);
         let (d, dmin) = (_mm_cvtss_f32(dm), _mm_cvtss_f32(_mm_movehdup_ps(dm)));
         let (sc, mins) = scales_mins_k4(&*(b.add(4) as *const [u8; 12]));
+        let qh = if Q5 {
+            _mm256_loadu_si256(b.add(16) as *const __m256i)
+        } else {
+            _mm256_setzero_si256()
+        };
         for p in 0..4 {
-            let bytes = _mm256_loadu_si256(b.add(16 + 32 * p) as *const __m256i);
+            let bytes = _mm256_loadu_si256(b.add(qs_at + 32 * p) as *const __m256i);
             let halves = [
                 _mm256_and_si256(bytes, mask),
                 _mm256_and_si256(_mm256_srli_epi16::<4>(bytes), mask),
             ];
             for (h, w) in halves.into_iter().enumerate() {
                 let g = 2 * p + h;
+                let w = if Q5 {
+                    // Bit g of each `qh` byte to bit 4 (shifted within 16-bit words, masked
+                    // to each byte's bit 0 before moving up).
+                    let bit = _mm256_srl_epi16(qh, _mm_cvtsi32_si128(g as i32));
+                    _mm256_or_si256(w, _mm256_slli_epi16::<4>(_mm256_and_si256(bit, one)))
+                } else {
+                    w
+                };
                 let i = 8 * blk + g;
                 let (dl, ml) = (
                     d * ((sc >> (8 * g)) & 0xFF) as f32,
@@ -274,6 +296,121 @@ unsafe fn dot_q4_k<const R: usize>(b0: *const u8, xs: &[QuantizedX]) -> [f32; R]
         }
     }
     std::array::from_fn(|r| hsum(_mm256_add_ps(even[r], odd[r])) + terms[r])
+}
+
+/// One Q2_K row or, with `Q3`, Q3_K row against each of the `R` rows of `xs` (the layouts
+/// in `quant_gemv_vnni`'s kernel): per 32 values in order (two 16-value groups), the
+/// unsigned bits (Q3_K: its third bit added as 4) against `x`'s bytes in `vpmaddubsw` and
+/// `vpmaddwd`, 4 lanes a group scaled by `d sc_g dx`. Q3_K's sums start from `x`'s `-4 sum
+/// qx` per 4 values (its `-32` offsets shifted right by 3, exact); Q2_K's `-dmin m_g dx sum
+/// qx` is those offsets' lanes times `dmin m_g dx / 32`.
+///
+/// # Safety
+/// AVX2, FMA and F16C; `b0` points at `xs[0].d.len() / 8` whole blocks, `xs` holds `R` rows
+/// of that many.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn dot_q2_q3_k<const Q3: bool, const R: usize>(
+    b0: *const u8,
+    xs: &[QuantizedX],
+) -> [f32; R] {
+    use crate::kernels::decode::quant_gemv_avx2::{half_before, halves_at, hsum, q3_k_scales};
+    let (mut even, mut odd) = ([_mm256_setzero_ps(); R], [_mm256_setzero_ps(); R]);
+    let (size, qs_at) = if Q3 { (110, 32) } else { (84, 16) };
+    let (twos, one, ones) = (
+        _mm256_set1_epi8(0x03),
+        _mm256_set1_epi8(1),
+        _mm256_set1_epi16(1),
+    );
+    // The lanes of the 32 values `128 h + 32 j..`: 4 from group `8 h + 2 j`, 4 from the next
+    // (lanes `2 j`, `2 j + 1` of half `h`'s factors).
+    let pairs: [__m256i; 4] = std::array::from_fn(|j| {
+        let g = 2 * j as i32;
+        _mm256_setr_epi32(g, g, g, g, g + 1, g + 1, g + 1, g + 1)
+    });
+    let shift = |v: __m256i, k: usize| _mm256_srl_epi16(v, _mm_cvtsi32_si128(k as i32));
+    let eight = |v: __m128i| _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(v));
+    for blk in 0..xs[0].d.len() / 8 {
+        let b = b0.add(blk * size);
+        // `dl` (and Q2_K's `ml`) of groups `8 h..8 h + 8` in half `h`.
+        let (dl, ml) = if Q3 {
+            let sc = q3_k_scales(b.add(96));
+            let d = _mm256_set1_ps(half_before(b.add(110)));
+            let dl = [
+                _mm256_mul_ps(d, eight(sc)),
+                _mm256_mul_ps(d, eight(_mm_unpackhi_epi64(sc, sc))),
+            ];
+            (dl, [_mm256_setzero_ps(); 2])
+        } else {
+            let sc = _mm_loadu_si128(b as *const __m128i);
+            let nib = _mm_set1_epi8(0x0F);
+            let (low, high) = (
+                _mm_and_si128(sc, nib),
+                _mm_and_si128(_mm_srli_epi16::<4>(sc), nib),
+            );
+            let dm = halves_at(b.add(80));
+            let (d, dmin) = (
+                _mm256_broadcastss_ps(dm),
+                _mm256_broadcastss_ps(_mm_movehdup_ps(dm)),
+            );
+            // Scale the mins by 1 / 32 (exact) for the `-32` offsets.
+            let dmin = _mm256_mul_ps(dmin, _mm256_set1_ps(1.0 / 32.0));
+            let halves = |v: __m128i, f: __m256| {
+                [
+                    _mm256_mul_ps(f, eight(v)),
+                    _mm256_mul_ps(f, eight(_mm_unpackhi_epi64(v, v))),
+                ]
+            };
+            (halves(low, d), halves(high, dmin))
+        };
+        let hmask = if Q3 {
+            _mm256_loadu_si256(b as *const __m256i)
+        } else {
+            _mm256_setzero_si256()
+        };
+        for h in 0..2 {
+            let q = _mm256_loadu_si256(b.add(qs_at + 32 * h) as *const __m256i);
+            for (j, lanes) in pairs.iter().enumerate() {
+                let bits = _mm256_and_si256(shift(q, 2 * j), twos);
+                let w = if Q3 {
+                    let third = _mm256_and_si256(shift(hmask, 4 * h + j), one);
+                    _mm256_or_si256(bits, _mm256_slli_epi16::<2>(third))
+                } else {
+                    bits
+                };
+                let at = 256 * blk + 128 * h + 32 * j;
+                let f = _mm256_permutevar8x32_ps(dl[h], *lanes);
+                let fm = _mm256_permutevar8x32_ps(ml[h], *lanes);
+                for r in 0..R {
+                    let x = &xs[r];
+                    let xv = _mm256_loadu_si256(x.qs.as_ptr().add(at) as *const __m256i);
+                    let offsets =
+                        _mm256_loadu_si256(x.offsets.as_ptr().add(at / 4) as *const __m256i);
+                    let products = _mm256_madd_epi16(_mm256_maddubs_epi16(w, xv), ones);
+                    let sums = if Q3 {
+                        _mm256_add_epi32(_mm256_srai_epi32::<3>(offsets), products)
+                    } else {
+                        products
+                    };
+                    let dx = _mm256_set1_ps(*x.d.get_unchecked(at / 32));
+                    let acc = if j % 2 == 0 {
+                        &mut even[r]
+                    } else {
+                        &mut odd[r]
+                    };
+                    *acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sums), _mm256_mul_ps(f, dx), *acc);
+                    if !Q3 {
+                        *acc = _mm256_fmadd_ps(
+                            _mm256_cvtepi32_ps(offsets),
+                            _mm256_mul_ps(fm, dx),
+                            *acc,
+                        );
+                    }
+                }
+            }
+        }
+    }
+    std::array::from_fn(|r| hsum(_mm256_add_ps(even[r], odd[r])))
 }
 
 /// One Q6_K row against each of the `R` rows of `xs` (the layout in `quant_gemv_vnni`'s

@@ -446,8 +446,8 @@ unsafe fn dot_pairs<const K: u8, const R: usize>(b0: *const u8, xs: &[QuantizedX
 }
 
 /// [`dot_q4_k`]'s `Q5` for Q4_K and Q5_K rows.
-const FOUR_BITS: bool = false;
-const FIVE_BITS: bool = true;
+pub(crate) const FOUR_BITS: bool = false;
+pub(crate) const FIVE_BITS: bool = true;
 
 /// One Q4_K row against `x`: per block of 256 values, `{ f16 d; f16 dmin; u8 scales[12];
 /// u8 qs[128] }`, group `g` (32 values, `x`'s block `g`) is `d sc_g q - dmin m_g` over the
@@ -574,8 +574,8 @@ unsafe fn group_quads() -> [__m512i; 4] {
 }
 
 /// [`dot_q2_q3_k`]'s `Q3` for Q2_K and Q3_K rows.
-const TWO_BITS: bool = false;
-const THREE_BITS: bool = true;
+pub(crate) const TWO_BITS: bool = false;
+pub(crate) const THREE_BITS: bool = true;
 
 /// One Q2_K row (`{ u8 scales[16]; u8 qs[64]; f16 d; f16 dmin }` per 256 values) or, with
 /// `Q3`, Q3_K row (`{ u8 hmask[32]; u8 qs[64]; u8 scales[12]; f16 d }`) against `x`: value
