@@ -5,7 +5,7 @@
 //! task dequantizes four rows at a time into its scratch (exactly, as gguf-py does) and
 //! multiplies them with the f32 matrix-vector kernel, giving the sums the same weight
 //! dequantized to f32 would give, bit for bit. Opted in ([`set_int8_activations`]), the
-//! 32-value types are multiplied with `x` quantized to 8 bits instead (`quant_gemv_vnni`,
+//! same block types are multiplied with `x` quantized to 8 bits instead (`quant_gemv_vnni`,
 //! `quant_gemv_int8_avx2`), as llama.cpp does. Weights of one input width stacked along the
 //! outputs (Q, K and V; a gate and its up projection) run as one pass over the threads.
 

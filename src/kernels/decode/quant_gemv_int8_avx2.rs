@@ -301,9 +301,9 @@ unsafe fn dot_q4_k<const Q5: bool, const R: usize>(b0: *const u8, xs: &[Quantize
 /// One Q2_K row or, with `Q3`, Q3_K row against each of the `R` rows of `xs` (the layouts
 /// in `quant_gemv_vnni`'s kernel): per 32 values in order (two 16-value groups), the
 /// unsigned bits (Q3_K: its third bit added as 4) against `x`'s bytes in `vpmaddubsw` and
-/// `vpmaddwd`, 4 lanes a group scaled by `d sc_g dx`. Q3_K's sums start from `x`'s `-4 sum
+/// `vpmaddwd`, 4 lanes a group scaled by `d sc_g dx` (Q2_K: `d (sc_g & 15) dx`). Q3_K's sums start from `x`'s `-4 sum
 /// qx` per 4 values (its `-32` offsets shifted right by 3, exact); Q2_K's `-dmin m_g dx sum
-/// qx` is those offsets' lanes times `dmin m_g dx / 32`.
+/// qx` (`m_g = sc_g >> 4`) is those offsets' lanes times `dmin m_g dx / 32`.
 ///
 /// # Safety
 /// AVX2, FMA and F16C; `b0` points at `xs[0].d.len() / 8` whole blocks, `xs` holds `R` rows

@@ -9,8 +9,9 @@
 //! The weight's integers go in as unsigned bytes: Q4_0's `q - 8`, Q5_0's `q - 16` and
 //! Q8_0's signed `q` (its bytes XOR 0x80, `q + 128`) are summed as `q` plus an offset whose
 //! term, `-offset d dx sum_k qx_k`, is added per block like Q4_1's and Q5_1's `m` term.
-//! Q4_K's and Q6_K's 256-value blocks take their groups' scales (per 32 and per 16 values)
-//! in the same way, Q4_K with its `dmin m` term per group, Q6_K with its offset of 32.
+//! The K-quants' 256-value blocks take their groups' scales (per 32 values for Q4_K and
+//! Q5_K, per 16 for Q2_K, Q3_K and Q6_K) in the same way: Q4_K and Q5_K with their `dmin m`
+//! term per group, Q6_K and Q3_K with their offsets of 32 and 4, Q2_K with its mins.
 //! The error against the f32 product is the quantization of `x` alone (the weight's values
 //! are exact): at most `sum_k |w_k| dx / 2` per block.
 
@@ -41,7 +42,8 @@ pub(crate) struct QuantizedX {
     pub(crate) d: Vec<f32>,
     pub(crate) dsum: Vec<f32>,
     /// Per 4 values, `-32` times the sum of their bytes: Q6_K's offset term, where its
-    /// integer sums start (its scales change every 16 values, finer than `dsum`).
+    /// integer sums start (its scales change every 16 values, finer than `dsum`); Q3_K's
+    /// (shifted right by 3) and Q2_K's mins the same way.
     pub(crate) offsets: Vec<i32>,
 }
 
