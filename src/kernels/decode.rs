@@ -5,6 +5,7 @@
 pub(crate) mod f16_kernels;
 pub(crate) mod gemv;
 pub(crate) mod gemv_avx512;
+pub(crate) mod held_lanes;
 pub(crate) mod keep_warm;
 pub(crate) mod lines;
 pub(crate) mod one_query;

@@ -10,6 +10,8 @@
 use std::arch::x86_64::*;
 
 #[cfg(target_arch = "x86_64")]
+use crate::kernels::decode::held_lanes::HeldLanes;
+#[cfg(target_arch = "x86_64")]
 use crate::kernels::decode::quant_gemv::kind;
 use crate::kernels::decode::quant_gemv::rows_dots_shape;
 #[cfg(target_arch = "x86_64")]
@@ -452,6 +454,8 @@ unsafe fn dot_q4_k<const R: usize, const Q5: bool>(
             |v: u64| _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_cvtsi64_si128(v as i64)));
         let dls = _mm256_mul_ps(_mm256_broadcastss_ps(dm), u8_floats(sc));
         let mls = _mm256_mul_ps(_mm256_broadcastss_ps(_mm_movehdup_ps(dm)), u8_floats(mins));
+        let mut held = HeldLanes::new();
+        let dm = held.hold256(dls, mls);
         for p in 0..4 {
             // Bytes widened as they are loaded, 8 at a time: their low nibbles are group
             // `2 p`'s values, their high ones group `2 p + 1`'s.
@@ -473,11 +477,8 @@ unsafe fn dot_q4_k<const R: usize, const Q5: bool>(
             }
             let xg = xp.add(blk * 256 + 64 * p);
             for (half, q) in [ql, qh].into_iter().enumerate() {
-                let g = _mm256_set1_epi32((2 * p + half) as i32);
-                let (dl, ml) = (
-                    _mm256_permutevar8x32_ps(dls, g),
-                    _mm256_permutevar8x32_ps(mls, g),
-                );
+                let g = 2 * p + half;
+                let (dl, ml) = (dm.lane256(g), dm.lane256(8 + g));
                 fma_scaled_min(q, dl, ml, xg.add(32 * half), inp, &mut acc);
             }
         }
@@ -535,9 +536,10 @@ unsafe fn dot_q2_q3_k<const R: usize, const Q3: bool>(
             let ((d0, m0), (d1, m1)) = (pair(0), pair(8));
             ([d0, d1], [m0, m1])
         };
-        let lane = |v: &[__m256; 2], g: usize| {
-            _mm256_permutevar8x32_ps(v[g / 8], _mm256_set1_epi32((g % 8) as i32))
-        };
+        let mut held = [HeldLanes::new(), HeldLanes::new()];
+        let [dh, mh] = &mut held;
+        let (dls, mls) = (dh.hold256(dls[0], dls[1]), mh.hold256(mls[0], mls[1]));
+        let lane = |v: &HeldLanes, g: usize| v.lane256(g);
         let shift = |v: __m256i, n: usize| _mm256_srl_epi32(v, _mm_cvtsi32_si128(n as i32));
         // Q3_K: `hmask[l]`, `l = 8 c..8 c + 8`.
         let mask: [__m256i; 4] = std::array::from_fn(|c| {
@@ -562,9 +564,9 @@ unsafe fn dot_q2_q3_k<const R: usize, const Q3: bool>(
                         let set = _mm256_and_si256(shift(mask[c], 4 * h + j), one);
                         let q =
                             _mm256_sub_epi32(_mm256_or_si256(q, _mm256_slli_epi32::<2>(set)), four);
-                        _mm256_mul_ps(lane(&dls, g), _mm256_cvtepi32_ps(q))
+                        _mm256_mul_ps(lane(dls, g), _mm256_cvtepi32_ps(q))
                     } else {
-                        _mm256_fmsub_ps(lane(&dls, g), _mm256_cvtepi32_ps(q), lane(&mls, g))
+                        _mm256_fmsub_ps(lane(dls, g), _mm256_cvtepi32_ps(q), lane(mls, g))
                     };
                     for (r, acc) in acc.iter_mut().enumerate() {
                         let x = _mm256_loadu_ps(xg.add(r * inp + 8 * c));
@@ -620,13 +622,14 @@ unsafe fn dot_q6_k<const R: usize>(row: &[u8], xp: *const f32, inp: usize) -> [[
         // `d * scales[g]`: lane g of `dls[g / 8]`.
         let d = _mm256_set1_ps(half_before(b.add(210)));
         let scales = _mm_loadu_si128(b.add(192) as *const __m128i);
-        let dls = [
+        let mut held = HeldLanes::new();
+        let dls = held.hold256(
             _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(scales))),
             _mm256_mul_ps(
                 d,
                 _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(scales, 8))),
             ),
-        ];
+        );
         for h in 0..2 {
             for t in 0..4 {
                 let q = q6_k_bytes(b, h, t);
@@ -636,7 +639,7 @@ unsafe fn dot_q6_k<const R: usize>(row: &[u8], xp: *const f32, inp: usize) -> [[
                 for k in 0..4 {
                     // Lanes 16 (k / 2)..: scale g + k / 2.
                     let s = g + k / 2;
-                    let dl = _mm256_permutevar8x32_ps(dls[s / 8], _mm256_set1_epi32(s as i32 % 8));
+                    let dl = dls.lane256(s);
                     let v = byte_lanes::<true>(halves[k / 2], k % 2 == 1);
                     let w = _mm256_mul_ps(dl, _mm256_cvtepi32_ps(v));
                     for (r, a) in acc.iter_mut().enumerate() {

@@ -14,6 +14,8 @@
 use std::arch::x86_64::*;
 
 #[cfg(target_arch = "x86_64")]
+use crate::kernels::decode::held_lanes::HeldLanes;
+#[cfg(target_arch = "x86_64")]
 use crate::kernels::decode::quant_gemv::kind;
 use crate::kernels::decode::quant_gemv::rows_dots_shape;
 #[cfg(target_arch = "x86_64")]
@@ -424,11 +426,12 @@ unsafe fn k4_scales_mins(b: *const u8) -> __m512 {
 #[target_feature(enable = "avx512f")]
 unsafe fn q4_k_values(b: *const u8, mut f: impl FnMut(usize, __m512)) {
     let iota = iota16();
-    let sm = k4_scales_mins(b);
+    let mut held = HeldLanes::new();
+    let sm = held.hold512(k4_scales_mins(b));
     for p in 0..4 {
         let qs = b.add(16 + 32 * p) as *const __m128i;
         // Group 2p: the low nibbles; group 2p + 1: the high ones.
-        let lane = |i: usize| _mm512_permutexvar_ps(_mm512_set1_epi32(i as i32), sm);
+        let lane = |i: usize| sm.lane512(i);
         let t0 = _mm512_fmsub_ps(lane(2 * p), iota, lane(8 + 2 * p));
         let t1 = _mm512_fmsub_ps(lane(2 * p + 1), iota, lane(9 + 2 * p));
         for h in 0..2 {
@@ -468,7 +471,10 @@ unsafe fn q2_q3_k_values<const Q3: bool>(b: *const u8, mut f: impl FnMut(usize, 
         let (d, dmin) = halves_at_ptr(b.add(80));
         (_mm512_mul_ps(d, low), _mm512_mul_ps(dmin, high))
     };
-    let lane = |v: __m512, g: usize| _mm512_permutexvar_ps(_mm512_set1_epi32(g as i32), v);
+    let mut held = [HeldLanes::new(), HeldLanes::new()];
+    let [dh, mh] = &mut held;
+    let (dl, ml) = (dh.hold512(dl), mh.hold512(ml));
+    let lane = |v: &HeldLanes, g: usize| v.lane512(g);
     // Group g's values in a table indexed by the value's bits (`vpermps` reads bits 0..4 of
     // an index; the table repeats, so bits above the value's are free): Q2_K's four
     // `dl * q - ml` (each one fused rounding, as gguf-py's exact product then difference),
@@ -533,7 +539,8 @@ unsafe fn q2_q3_k_values<const Q3: bool>(b: *const u8, mut f: impl FnMut(usize, 
 unsafe fn q5_k_values(b: *const u8, mut f: impl FnMut(usize, __m512)) {
     let iota = iota16();
     let iota_hi = _mm512_add_ps(iota, _mm512_set1_ps(16.0));
-    let sm = k4_scales_mins(b);
+    let mut held = HeldLanes::new();
+    let sm = held.hold512(k4_scales_mins(b));
     let low4 = _mm512_set1_epi32(0x0F);
     // Lane j of `high[h]`: byte `16 h + j` of `qh`, shifted so that bit g lands on bit 4
     // after a right shift by g.
@@ -541,7 +548,7 @@ unsafe fn q5_k_values(b: *const u8, mut f: impl FnMut(usize, __m512)) {
         let bytes = _mm512_cvtepu8_epi32(_mm_loadu_si128((b.add(16) as *const __m128i).add(h)));
         _mm512_slli_epi32::<4>(bytes)
     });
-    let lane = |i: usize| _mm512_permutexvar_ps(_mm512_set1_epi32(i as i32), sm);
+    let lane = |i: usize| sm.lane512(i);
     for p in 0..4 {
         let qs = b.add(48 + 32 * p) as *const __m128i;
         let tables = [2 * p, 2 * p + 1].map(|g| {
@@ -581,13 +588,16 @@ unsafe fn q6_k_values(b: *const u8, mut f: impl FnMut(usize, __m512)) {
     let scales = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(
         b.add(192) as *const __m128i
     )));
-    let dl = _mm512_mul_ps(_mm512_set1_ps(half_before(b.add(210))), scales);
+    let mut held = HeldLanes::new();
+    let dl = held.hold512(_mm512_mul_ps(
+        _mm512_set1_ps(half_before(b.add(210))),
+        scales,
+    ));
     for h in 0..2 {
         for t in 0..4 {
             let q = q6_k_bytes(b, h, t);
             let g = 8 * h + 2 * t;
-            let dl0 = _mm512_permutexvar_ps(_mm512_set1_epi32(g as i32), dl);
-            let dl1 = _mm512_permutexvar_ps(_mm512_set1_epi32(g as i32 + 1), dl);
+            let (dl0, dl1) = (dl.lane512(g), dl.lane512(g + 1));
             let v0 = _mm512_cvtepi8_epi32(_mm256_castsi256_si128(q));
             let v1 = _mm512_cvtepi8_epi32(_mm256_extracti128_si256(q, 1));
             f(128 * h + 32 * t, _mm512_mul_ps(dl0, _mm512_cvtepi32_ps(v0)));
@@ -617,6 +627,30 @@ unsafe fn dot_blocks<const K: u8, const R: usize>(
     let bp = row.as_ptr();
     let mut acc = [[_mm512_setzero_ps(); 4]; R];
     let mut i = 0;
+    // Eight blocks a step: their `d` (and `m`) converted at once and held in memory, each
+    // block's read back broadcast (no lane permutes: see `held_lanes`).
+    while (K == Q4_0 || K == Q5_0) && i + 8 <= n {
+        let at = bp.add(i * size);
+        let d8 = crate::kernels::decode::quant_gemv_int8_avx2::halves8(at, size);
+        let m8 = if K == Q5_0 {
+            _mm256_mul_ps(d8, _mm256_set1_ps(16.0))
+        } else {
+            _mm256_setzero_ps()
+        };
+        let mut held = HeldLanes::new();
+        let dm = held.hold256(d8, m8);
+        for k in 0..8 {
+            let u = k % 2;
+            let (lo, hi) =
+                block_values_dm::<K>(bp.add((i + k) * size), dm.lane512(k), dm.lane512(8 + k));
+            for (r, a) in acc.iter_mut().enumerate() {
+                let xb = xp.add(r * inp + (i + k) * 32);
+                a[2 * u] = _mm512_fmadd_ps(lo, _mm512_loadu_ps(xb), a[2 * u]);
+                a[2 * u + 1] = _mm512_fmadd_ps(hi, _mm512_loadu_ps(xb.add(16)), a[2 * u + 1]);
+            }
+        }
+        i += 8;
+    }
     while i + 2 <= n {
         for u in 0..2 {
             let (lo, hi) = block_values::<K>(bp.add((i + u) * size));
@@ -678,8 +712,30 @@ unsafe fn halves_at_ptr(p: *const u8) -> (__m512, __m512) {
 #[inline]
 #[target_feature(enable = "avx512f")]
 unsafe fn block_values<const K: u8>(b: *const u8) -> (__m512, __m512) {
+    let (d, m) = if K == Q8_0 {
+        (_mm512_set1_ps(half_at(b)), _mm512_setzero_ps())
+    } else {
+        halves_at_ptr(b)
+    };
+    // Q5_0's second factor is `16 d`.
+    let m = if K == Q5_0 {
+        _mm512_mul_ps(d, _mm512_set1_ps(16.0))
+    } else {
+        m
+    };
+    block_values_dm::<K>(b, d, m)
+}
+
+/// [`block_values`] with the block's `d` and `m` (`m` for Q4_1 and Q5_1 only) given as
+/// broadcast lanes.
+///
+/// # Safety
+/// As [`block_values`].
+#[cfg(target_arch = "x86_64")]
+#[inline]
+#[target_feature(enable = "avx512f")]
+unsafe fn block_values_dm<const K: u8>(b: *const u8, d: __m512, m: __m512) -> (__m512, __m512) {
     if K == Q8_0 {
-        let d = _mm512_set1_ps(half_at(b));
         let q = b.add(2) as *const __m128i;
         let lo = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(q)));
         let hi = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(q.add(1))));
@@ -694,7 +750,6 @@ unsafe fn block_values<const K: u8>(b: *const u8) -> (__m512, __m512) {
     // Lane j: byte j, value j in its low nibble and value 16 + j in its high one.
     let bytes = _mm512_cvtepu8_epi32(_mm_loadu_si128(b.add(qs_at) as *const __m128i));
     let (lo, hi) = (bytes, _mm512_srli_epi32::<4>(bytes));
-    let (d, m) = halves_at_ptr(b);
     let iota = iota16();
     match K {
         Q4_0 => {
@@ -716,7 +771,7 @@ unsafe fn block_values<const K: u8>(b: *const u8) -> (__m512, __m512) {
             // `qh` for value j) is set: both terms and their sum `d * q'` are exact.
             let qh = u32::from_le_bytes([*b.add(2), *b.add(3), *b.add(4), *b.add(5)]);
             let table = _mm512_mul_ps(d, _mm512_sub_ps(iota, _mm512_set1_ps(16.0)));
-            let d16 = _mm512_mul_ps(d, _mm512_set1_ps(16.0));
+            let d16 = m;
             let (lo, hi) = (
                 _mm512_permutexvar_ps(lo, table),
                 _mm512_permutexvar_ps(hi, table),
