@@ -634,11 +634,22 @@ mod tests {
             state as u8
         };
         for (name, supports, row_dot) in kernels {
-            for ty in ROW_KERNEL_TYPES {
+            // 512 values: whole 8-block steps of the 32-value kernels; 416 (13 blocks): one
+            // step, then the pairs and the last block alone.
+            let widths = |ty: QuantType| {
+                if ty.block_values() == 256 {
+                    vec![512]
+                } else {
+                    vec![512, 416]
+                }
+            };
+            for (ty, cols) in ROW_KERNEL_TYPES
+                .into_iter()
+                .flat_map(|ty| widths(ty).into_iter().map(move |c| (ty, c)))
+            {
                 if !supports(ty) {
                     continue;
                 }
-                let cols = 512;
                 let Some(row_bytes) = ty.bytes_of(cols) else {
                     panic!("{ty}: {cols} values are no whole blocks");
                 };
@@ -655,14 +666,14 @@ mod tests {
                         x[k] = 1.0;
                         let got = row_dot(ty, &row, &x);
                         x[k] = 0.0;
-                        assert_eq!(got, Some(w[k]), "{name} {ty} value {k}");
+                        assert_eq!(got, Some(w[k]), "{name} {ty} {cols}: value {k}");
                     }
                     checked += 1;
                     if checked == 3 {
                         break;
                     }
                 }
-                assert_eq!(checked, 3, "{name} {ty}: too few finite rows");
+                assert_eq!(checked, 3, "{name} {ty} {cols}: too few finite rows");
             }
         }
     }

@@ -454,8 +454,9 @@ unsafe fn dot_q4_k<const R: usize, const Q5: bool>(
             |v: u64| _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_cvtsi64_si128(v as i64)));
         let dls = _mm256_mul_ps(_mm256_broadcastss_ps(dm), u8_floats(sc));
         let mls = _mm256_mul_ps(_mm256_broadcastss_ps(_mm_movehdup_ps(dm)), u8_floats(mins));
+        // Group g's `dl` in lane g, its `ml` in lane 8 + g.
         let mut held = HeldLanes::new();
-        let dm = held.hold256(dls, mls);
+        let dl_ml = held.hold256(dls, mls);
         for p in 0..4 {
             // Bytes widened as they are loaded, 8 at a time: their low nibbles are group
             // `2 p`'s values, their high ones group `2 p + 1`'s.
@@ -478,7 +479,7 @@ unsafe fn dot_q4_k<const R: usize, const Q5: bool>(
             let xg = xp.add(blk * 256 + 64 * p);
             for (half, q) in [ql, qh].into_iter().enumerate() {
                 let g = 2 * p + half;
-                let (dl, ml) = (dm.lane256(g), dm.lane256(8 + g));
+                let (dl, ml) = (dl_ml.lane256(g), dl_ml.lane256(8 + g));
                 fma_scaled_min(q, dl, ml, xg.add(32 * half), inp, &mut acc);
             }
         }
@@ -619,7 +620,7 @@ unsafe fn dot_q6_k<const R: usize>(row: &[u8], xp: *const f32, inp: usize) -> [[
     let mut acc = [[_mm256_setzero_ps(); 4]; R];
     for blk in 0..inp / 256 {
         let b = bp.add(blk * 210);
-        // `d * scales[g]`: lane g of `dls[g / 8]`.
+        // `d * scales[g]`: lane g of `dls`.
         let d = _mm256_set1_ps(half_before(b.add(210)));
         let scales = _mm_loadu_si128(b.add(192) as *const __m128i);
         let mut held = HeldLanes::new();

@@ -627,8 +627,9 @@ unsafe fn dot_blocks<const K: u8, const R: usize>(
     let bp = row.as_ptr();
     let mut acc = [[_mm512_setzero_ps(); 4]; R];
     let mut i = 0;
-    // Eight blocks a step: their `d` (and `m`) converted at once and held in memory, each
-    // block's read back broadcast (no lane permutes: see `held_lanes`).
+    // Eight blocks a step (Q4_0, Q5_0): their `d` (and Q5_0's `16 d`) converted at once and
+    // held in memory, each block's read back broadcast (no lane permutes: see
+    // `held_lanes`; Q4_1, Q5_1 and Q8_0 measured no faster this way).
     while (K == Q4_0 || K == Q5_0) && i + 8 <= n {
         let at = bp.add(i * size);
         let d8 = crate::kernels::decode::quant_gemv_int8_avx2::halves8(at, size);
@@ -726,8 +727,8 @@ unsafe fn block_values<const K: u8>(b: *const u8) -> (__m512, __m512) {
     block_values_dm::<K>(b, d, m)
 }
 
-/// [`block_values`] with the block's `d` and `m` (`m` for Q4_1 and Q5_1 only) given as
-/// broadcast lanes.
+/// [`block_values`] with the block's `d` and second factor given as broadcast lanes: `m`
+/// for Q4_1 and Q5_1, `16 d` for Q5_0, unused for Q4_0 and Q8_0.
 ///
 /// # Safety
 /// As [`block_values`].
