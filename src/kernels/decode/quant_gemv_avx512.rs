@@ -473,7 +473,8 @@ unsafe fn q2_q3_k_values<const Q3: bool>(b: *const u8, mut f: impl FnMut(usize, 
     };
     let mut held = [HeldLanes::new(), HeldLanes::new()];
     let [dh, mh] = &mut held;
-    let (dl, ml) = (dh.hold512(dl), mh.hold512(ml));
+    // Q3_K has no `ml`: nothing to hold (its line is never read).
+    let (dl, ml) = (dh.hold512(dl), if Q3 { &*mh } else { mh.hold512(ml) });
     let lane = |v: &HeldLanes, g: usize| v.lane512(g);
     // Group g's values in a table indexed by the value's bits (`vpermps` reads bits 0..4 of
     // an index; the table repeats, so bits above the value's are free): Q2_K's four
