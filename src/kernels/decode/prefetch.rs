@@ -1,15 +1,29 @@
-//! Software prefetch of a product's rows a little ahead of the row kernels that cannot keep
-//! up with memory on their own: the exact (f32) kernels and the AVX2 8-bit ones. One
-//! thread's stream of GGUF blocks came in slower than those kernels take them with the
-//! hardware prefetchers alone; requesting each row's lines [`AHEAD`] bytes ahead made the
-//! decode 2-6% faster. The AVX-512 VNNI 8-bit kernels gained nothing (Q8_0 lost 5%), so
-//! they go without (see docs/performance.md).
+//! Software prefetch of a product's rows a little ahead of the row kernels. One thread's
+//! stream of GGUF blocks came in slower than the kernels take it with the hardware
+//! prefetchers alone; requesting each row's lines [`AHEAD`] bytes ahead made the decode
+//! 2-6% faster with the exact (f32) kernels and the AVX2 8-bit ones on AMD Zen 4, 30-40% on
+//! an Intel Xeon. The AVX-512 VNNI 8-bit kernels gained nothing on Zen 4 (Q8_0 lost 5%),
+//! but 30-70% on the Xeon, [`AHEAD_VNNI`] ahead: see [`vnni_ahead`] and docs/performance.md.
 
 #![cfg_attr(not(target_arch = "x86_64"), allow(dead_code))]
 
 /// Bytes ahead of the row being read that the kernels request (of 1, 2 and 4 KiB, the
 /// best on Zen 4 for every type).
 pub(crate) const AHEAD: usize = 2048;
+
+/// Bytes ahead for the AVX-512 VNNI 8-bit kernels off AMD (of 2, 3, 4, 6 and 8 KiB on an
+/// Intel Xeon, 3-8 KiB alike, 2 KiB behind on Q4_K_M).
+pub(crate) const AHEAD_VNNI: usize = 4096;
+
+/// Bytes ahead the AVX-512 VNNI 8-bit kernels request: none on AMD, [`AHEAD_VNNI`]
+/// elsewhere.
+pub(crate) fn vnni_ahead() -> usize {
+    if crate::kernels::simd::amd() {
+        0
+    } else {
+        AHEAD_VNNI
+    }
+}
 
 /// Requests into L1 the cache lines of the `len` bytes `ahead` bytes past `row`, those that
 /// lie before `end` (the end of the task's rows): called once per row, it keeps the stream

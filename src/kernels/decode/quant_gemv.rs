@@ -618,11 +618,18 @@ mod tests {
     fn row_kernels_make_each_value_exactly() {
         type Supports = fn(QuantType) -> bool;
         type RowDot = fn(QuantType, &[u8], &[f32]) -> Option<f32>;
-        let kernels: [(&str, Supports, RowDot); 2] = [
+        // AVX-512 both with every type's scales held in memory and without (the CPU's
+        // vendor picks one).
+        let kernels: [(&str, Supports, RowDot); 3] = [
+            (
+                "avx512 held",
+                quant_gemv_avx512::supports,
+                quant_gemv_avx512::row_dot_holding::<true>,
+            ),
             (
                 "avx512",
                 quant_gemv_avx512::supports,
-                quant_gemv_avx512::row_dot,
+                quant_gemv_avx512::row_dot_holding::<false>,
             ),
             ("avx2", quant_gemv_avx2::supports, quant_gemv_avx2::row_dot),
         ];

@@ -120,17 +120,18 @@ unsafe fn rows_dots_avx512<const R: usize>(
             sums.finish();
         }};
     }
+    let hold = hold_all_scales();
     match ty {
-        QuantType::Q8_0 => each_row!(row => dot_blocks::<Q8_0, R>(row, xs, inp)),
-        QuantType::Q4_0 => each_row!(row => dot_blocks::<Q4_0, R>(row, xs, inp)),
-        QuantType::Q4_1 => each_row!(row => dot_blocks::<Q4_1, R>(row, xs, inp)),
-        QuantType::Q5_0 => each_row!(row => dot_blocks::<Q5_0, R>(row, xs, inp)),
+        QuantType::Q8_0 => each_row!(row => dot_blocks::<Q8_0, R>(row, xs, inp, hold)),
+        QuantType::Q4_0 => each_row!(row => dot_blocks::<Q4_0, R>(row, xs, inp, hold)),
+        QuantType::Q4_1 => each_row!(row => dot_blocks::<Q4_1, R>(row, xs, inp, hold)),
+        QuantType::Q5_0 => each_row!(row => dot_blocks::<Q5_0, R>(row, xs, inp, hold)),
         QuantType::Q2K => each_row!(row => dot_k::<R, Q2K>(row, xs, inp)),
         QuantType::Q3K => each_row!(row => dot_k::<R, Q3K>(row, xs, inp)),
         QuantType::Q4K => each_row!(row => dot_k::<R, Q4K>(row, xs, inp)),
         QuantType::Q5K => each_row!(row => dot_k::<R, Q5K>(row, xs, inp)),
         QuantType::Q6K => each_row!(row => dot_k::<R, Q6K>(row, xs, inp)),
-        _ => each_row!(row => dot_blocks::<Q5_1, R>(row, xs, inp)),
+        _ => each_row!(row => dot_blocks::<Q5_1, R>(row, xs, inp, hold)),
     }
 }
 
@@ -610,8 +611,43 @@ unsafe fn q6_k_values(b: *const u8, mut f: impl FnMut(usize, __m512)) {
     }
 }
 
+/// Whether the 32-value kernels hold every type's scales in memory (eight blocks a step),
+/// not only Q4_0's and Q5_0's: on an Intel Xeon, where lane broadcasts and permutes share
+/// one port with half the FMAs, that took Q4_1 / Q5_1 / Q8_0 22% / 17% / 17% fewer ticks; on
+/// AMD Zen 4 (two shuffle pipes) it was no faster (see docs/performance.md).
+#[cfg(target_arch = "x86_64")]
+fn hold_all_scales() -> bool {
+    #[cfg(test)]
+    if let Some(hold) = HOLD_ALL.with(|h| h.get()) {
+        return hold;
+    }
+    !crate::kernels::simd::amd()
+}
+
+#[cfg(test)]
+thread_local! {
+    /// The tests' choice of [`hold_all_scales`] on this thread, whatever the CPU's vendor.
+    static HOLD_ALL: std::cell::Cell<Option<bool>> = const { std::cell::Cell::new(None) };
+}
+
+/// [`row_dot`] with every type's scales held (`HOLD`) or only Q4_0's and Q5_0's, whichever
+/// this CPU's vendor would pick: the tests cover both forms on any CPU.
+#[cfg(test)]
+pub(crate) fn row_dot_holding<const HOLD: bool>(
+    ty: QuantType,
+    row: &[u8],
+    x: &[f32],
+) -> Option<f32> {
+    HOLD_ALL.with(|h| h.set(Some(HOLD)));
+    let got = row_dot(ty, row, x);
+    HOLD_ALL.with(|h| h.set(None));
+    got
+}
+
 /// The dot products of whole `K` blocks with each of `R` rows of `x` (row stride `inp`):
-/// four accumulators a row (two blocks in flight), summed by the caller.
+/// four accumulators a row (two blocks in flight), summed by the caller. `hold`: eight
+/// blocks a step with their scales held in memory for every type ([`hold_all_scales`]),
+/// else for Q4_0 and Q5_0 alone.
 ///
 /// # Safety
 /// AVX-512F; `row` holds `inp / 32` whole blocks, `xp` `R` rows of `inp` values.
@@ -622,22 +658,24 @@ unsafe fn dot_blocks<const K: u8, const R: usize>(
     row: &[u8],
     xp: *const f32,
     inp: usize,
+    hold: bool,
 ) -> [[__m512; 4]; R] {
     let size = kind::quant_type(K).block_bytes();
     let n = inp / 32;
     let bp = row.as_ptr();
     let mut acc = [[_mm512_setzero_ps(); 4]; R];
     let mut i = 0;
-    // Eight blocks a step (Q4_0, Q5_0): their `d` (and Q5_0's `16 d`) converted at once and
-    // held in memory, each block's read back broadcast (no lane permutes: see
-    // `held_lanes`; Q4_1, Q5_1 and Q8_0 measured no faster this way).
-    while (K == Q4_0 || K == Q5_0) && i + 8 <= n {
+    // Eight blocks a step: their `d` (and Q5_0's `16 d`, Q4_1's and Q5_1's `m`) converted at
+    // once and held in memory, each block's read back broadcast (no lane permutes: see
+    // `held_lanes`). Q4_1, Q5_1 and Q8_0 only where `hold` says so.
+    while (K == Q4_0 || K == Q5_0 || hold) && i + 8 <= n {
+        use crate::kernels::decode::quant_gemv_int8_avx2::halves8;
         let at = bp.add(i * size);
-        let d8 = crate::kernels::decode::quant_gemv_int8_avx2::halves8(at, size);
-        let m8 = if K == Q5_0 {
-            _mm256_mul_ps(d8, _mm256_set1_ps(16.0))
-        } else {
-            _mm256_setzero_ps()
+        let d8 = halves8(at, size);
+        let m8 = match K {
+            Q5_0 => _mm256_mul_ps(d8, _mm256_set1_ps(16.0)),
+            Q4_1 | Q5_1 => halves8(at.add(2), size),
+            _ => _mm256_setzero_ps(),
         };
         let mut held = HeldLanes::new();
         let dm = held.hold256(d8, m8);

@@ -269,14 +269,19 @@ unsafe fn rows_dots_vnni<const R: usize>(
     out: &mut [f32],
     ldo: usize,
 ) {
+    use crate::kernels::decode::prefetch::{rows_ahead, vnni_ahead};
     use crate::kernels::decode::quant_gemv::kind::{Q4_0, Q4_1, Q5_0, Q5_1, Q8_0};
     use crate::kernels::decode::quant_gemv_avx512::RowSums;
-    // The rows' lanes summed 16 rows at a time, as the exact kernels sum theirs (no software
-    // prefetch: see `prefetch.rs`).
+    // The rows' lanes summed 16 rows at a time, as the exact kernels sum theirs; each row's
+    // lines requested `ahead` bytes ahead where that helps (see `prefetch.rs`).
+    let (ahead, end) = (vnni_ahead(), rows.as_ptr_range().end);
     macro_rules! each_row {
         ($dot:ident $(::<$k:ident>)?) => {{
             let mut sums = RowSums::<R>::new(out, ldo);
             for row in rows.chunks_exact(row_bytes) {
+                if ahead > 0 {
+                    rows_ahead(row.as_ptr(), row_bytes, ahead, end);
+                }
                 sums.push($dot::<$($k,)? R>(row.as_ptr(), xs));
             }
             sums.finish();
