@@ -702,12 +702,23 @@ mod tests {
         }
         type Supports = fn(QuantType) -> bool;
         type RowDot = fn(QuantType, &[u8], &[f32]) -> Option<f32>;
-        let kernels: [(Supports, RowDot); 2] = [
-            (quant_gemv_avx512::supports, quant_gemv_avx512::row_dot),
-            (quant_gemv_avx2::supports, quant_gemv_avx2::row_dot),
+        // AVX-512 with every type's scales held and without, whatever the CPU's vendor.
+        let kernels: [(Supports, RowDot, Option<bool>); 3] = [
+            (
+                quant_gemv_avx512::supports,
+                quant_gemv_avx512::row_dot,
+                Some(true),
+            ),
+            (
+                quant_gemv_avx512::supports,
+                quant_gemv_avx512::row_dot,
+                Some(false),
+            ),
+            (quant_gemv_avx2::supports, quant_gemv_avx2::row_dot, None),
         ];
-        for (kernel, (supports, row_dot)) in kernels.into_iter().enumerate() {
-            let avx512 = kernel == 0;
+        for (supports, row_dot, hold) in kernels {
+            let avx512 = hold.is_some();
+            let _hold = hold.map(quant_gemv_avx512::HoldAll::set);
             for ty in ROW_KERNEL_TYPES {
                 if !supports(ty) {
                     continue;

@@ -630,7 +630,27 @@ thread_local! {
     static HOLD_ALL: std::cell::Cell<Option<bool>> = const { std::cell::Cell::new(None) };
 }
 
-/// [`row_dot`] with every type's scales held (`HOLD`) or only Q4_0's and Q5_0's, whichever
+/// The tests' choice of [`hold_all_scales`] on this thread while it lives (the CPU's
+/// vendor's again once dropped, a panic included).
+#[cfg(test)]
+pub(crate) struct HoldAll;
+
+#[cfg(test)]
+impl HoldAll {
+    pub(crate) fn set(hold: bool) -> Self {
+        HOLD_ALL.with(|h| h.set(Some(hold)));
+        HoldAll
+    }
+}
+
+#[cfg(test)]
+impl Drop for HoldAll {
+    fn drop(&mut self) {
+        HOLD_ALL.with(|h| h.set(None));
+    }
+}
+
+/// [`row_dot`] with every type's scales held (`HOLD`) or only Q4_0's and Q5_0's, whatever
 /// this CPU's vendor would pick: the tests cover both forms on any CPU.
 #[cfg(test)]
 pub(crate) fn row_dot_holding<const HOLD: bool>(
@@ -638,10 +658,8 @@ pub(crate) fn row_dot_holding<const HOLD: bool>(
     row: &[u8],
     x: &[f32],
 ) -> Option<f32> {
-    HOLD_ALL.with(|h| h.set(Some(HOLD)));
-    let got = row_dot(ty, row, x);
-    HOLD_ALL.with(|h| h.set(None));
-    got
+    let _hold = HoldAll::set(HOLD);
+    row_dot(ty, row, x)
 }
 
 /// The dot products of whole `K` blocks with each of `R` rows of `x` (row stride `inp`):
