@@ -21,20 +21,19 @@ enum Isa {
     None,
 }
 
+/// The kernels this CPU runs, under the crate's cap (`CANDLE_ATTENTION_ISA`,
+/// [`crate::kernels::simd::isa`]).
 fn isa() -> Isa {
     use std::sync::OnceLock;
     static ISA: OnceLock<Isa> = OnceLock::new();
     *ISA.get_or_init(|| {
         #[cfg(target_arch = "x86_64")]
         {
-            if is_x86_feature_detected!("avx512f") {
-                return Isa::Avx512;
-            }
-            if is_x86_feature_detected!("avx2")
-                && is_x86_feature_detected!("f16c")
-                && is_x86_feature_detected!("fma")
-            {
-                return Isa::Avx2F16c;
+            use crate::kernels::simd::{isa, Isa as Cpu};
+            match isa() {
+                Cpu::Avx512 => return Isa::Avx512,
+                Cpu::Avx2 if is_x86_feature_detected!("f16c") => return Isa::Avx2F16c,
+                _ => {}
             }
         }
         Isa::None

@@ -220,17 +220,16 @@ fn dot_rows_lanes<T: Widen>(w: &[T], x: &[f32], ys: &mut [f32]) {
     }
 }
 
-/// Whether the CPU has AVX-512F and AVX2 (detected once).
+/// Whether this CPU runs AVX-512F and AVX2 loops here, under the crate's cap
+/// (`CANDLE_ATTENTION_ISA`, [`crate::kernels::simd::isa`]).
 #[cfg(target_arch = "x86_64")]
 fn wide_vectors() -> (bool, bool) {
-    use std::sync::OnceLock;
-    static WIDE: OnceLock<(bool, bool)> = OnceLock::new();
-    *WIDE.get_or_init(|| {
-        (
-            is_x86_feature_detected!("avx512f"),
-            is_x86_feature_detected!("avx2"),
-        )
-    })
+    use crate::kernels::simd::{isa, Isa};
+    let isa = isa();
+    (
+        isa == Isa::Avx512,
+        matches!(isa, Isa::Avx512 | Isa::Avx2) && is_x86_feature_detected!("avx2"),
+    )
 }
 
 /// [`dot_lanes`] compiled for AVX-512.

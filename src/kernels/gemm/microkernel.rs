@@ -34,13 +34,13 @@ use crate::kernels::gemm::microkernel_avx2;
 #[cfg(target_arch = "x86_64")]
 const KC: usize = 512;
 
-/// Whether this CPU has AVX-512F (these kernels).
+/// Whether this CPU runs these kernels: AVX-512F, not capped below it
+/// (`CANDLE_ATTENTION_ISA`, [`crate::kernels::simd::isa`]).
 pub(crate) fn avx512() -> bool {
     #[cfg(target_arch = "x86_64")]
     {
-        use std::sync::OnceLock;
-        static AVX512: OnceLock<bool> = OnceLock::new();
-        *AVX512.get_or_init(|| is_x86_feature_detected!("avx512f"))
+        use crate::kernels::simd::{isa, Isa};
+        matches!(isa(), Isa::Avx512)
     }
     #[cfg(not(target_arch = "x86_64"))]
     {

@@ -29,13 +29,14 @@ use crate::kernels::gemm::depth_blocks::Start;
 #[cfg(target_arch = "x86_64")]
 const KC: usize = 96;
 
-/// Whether this CPU has AVX2 and FMA.
+/// Whether this CPU runs these kernels: AVX2 and FMA, not capped to scalar code
+/// (`CANDLE_ATTENTION_ISA`, [`crate::kernels::simd::isa`]).
 pub(crate) fn available() -> bool {
     #[cfg(target_arch = "x86_64")]
     {
-        use std::sync::OnceLock;
-        static AVX2: OnceLock<bool> = OnceLock::new();
-        *AVX2.get_or_init(|| is_x86_feature_detected!("avx2") && is_x86_feature_detected!("fma"))
+        use crate::kernels::simd::{isa, Isa};
+        // `isa()` is AVX2 or wider only with AVX2 and FMA.
+        matches!(isa(), Isa::Avx512 | Isa::Avx2)
     }
     #[cfg(not(target_arch = "x86_64"))]
     {
