@@ -188,3 +188,21 @@ unsafe fn axpy_avx2(a: f32, w: &[f16], y: &mut [f32]) {
         y[j] += a * w[j].to_f32();
     }
 }
+
+#[cfg(test)]
+mod tests {
+    /// The f16 loops follow the crate's instruction-set cap (CI runs the unit tests under
+    /// `CANDLE_ATTENTION_ISA=avx2` and `scalar`).
+    #[test]
+    fn kernels_follow_the_isa_cap() {
+        use crate::kernels::simd::{isa, Isa as Cpu};
+        let want = match isa() {
+            #[cfg(target_arch = "x86_64")]
+            Cpu::Avx512 => super::Isa::Avx512,
+            #[cfg(target_arch = "x86_64")]
+            Cpu::Avx2 if is_x86_feature_detected!("f16c") => super::Isa::Avx2F16c,
+            _ => super::Isa::None,
+        };
+        assert_eq!(super::isa(), want);
+    }
+}

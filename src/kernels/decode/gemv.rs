@@ -545,6 +545,17 @@ pub(crate) fn gemv_gated<T: Widen>(
 mod tests {
     use super::*;
 
+    /// The generic loops' vector widths follow the crate's instruction-set cap (CI runs the
+    /// unit tests under `CANDLE_ATTENTION_ISA=avx2` and `scalar`).
+    #[cfg(target_arch = "x86_64")]
+    #[test]
+    fn widths_follow_the_isa_cap() {
+        use crate::kernels::simd::{isa, Isa};
+        let (avx512, avx2) = wide_vectors();
+        assert_eq!(avx512, isa() == Isa::Avx512);
+        assert_eq!(avx2, isa() != Isa::Scalar);
+    }
+
     /// `n` values `((i * mul) % m - off) / div`: small multiples of `1 / div`.
     fn pattern(n: usize, mul: usize, m: usize, off: f32, div: f32) -> Vec<f32> {
         (0..n).map(|i| ((i * mul % m) as f32 - off) / div).collect()

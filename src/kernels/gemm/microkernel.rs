@@ -426,6 +426,18 @@ mod tests {
 
     use crate::kernels::test_values as values;
 
+    /// The micro-kernels follow the crate's instruction-set cap (CI runs the unit tests
+    /// under `CANDLE_ATTENTION_ISA=avx2` and `scalar`): a laptop's path measured on a
+    /// server must be that path.
+    #[test]
+    fn kernels_follow_the_isa_cap() {
+        use crate::kernels::simd::{isa, Isa};
+        assert_eq!(avx512(), matches!(isa(), Isa::Avx512));
+        let avx2_or_wider = !matches!(isa(), Isa::Scalar);
+        assert_eq!(super::super::microkernel_avx2::available(), avx2_or_wider);
+        assert_eq!(available(), avx2_or_wider);
+    }
+
     /// A `panel_product` implementation.
     type Product =
         unsafe fn(usize, usize, *const f32, usize, *const f32, usize, *mut f32, usize, Start);
