@@ -429,6 +429,7 @@ mod tests {
     /// The micro-kernels follow the crate's instruction-set cap (CI runs the unit tests
     /// under `CANDLE_ATTENTION_ISA=avx2` and `scalar`): a laptop's path measured on a
     /// server must be that path.
+    #[cfg(target_arch = "x86_64")]
     #[test]
     fn kernels_follow_the_isa_cap() {
         use crate::kernels::simd::{isa, Isa};
