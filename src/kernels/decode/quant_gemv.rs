@@ -620,18 +620,25 @@ mod tests {
         type RowDot = fn(QuantType, &[u8], &[f32]) -> Option<f32>;
         // AVX-512 both with every type's scales held in memory and without (the CPU's
         // vendor picks one).
-        let kernels: [(&str, Supports, RowDot); 3] = [
+        let kernels: [(&str, Supports, RowDot, Option<bool>); 3] = [
             (
                 "avx512 held",
                 quant_gemv_avx512::supports,
-                quant_gemv_avx512::row_dot_holding::<true>,
+                quant_gemv_avx512::row_dot,
+                Some(true),
             ),
             (
                 "avx512",
                 quant_gemv_avx512::supports,
-                quant_gemv_avx512::row_dot_holding::<false>,
+                quant_gemv_avx512::row_dot,
+                Some(false),
             ),
-            ("avx2", quant_gemv_avx2::supports, quant_gemv_avx2::row_dot),
+            (
+                "avx2",
+                quant_gemv_avx2::supports,
+                quant_gemv_avx2::row_dot,
+                None,
+            ),
         ];
         let mut state = 0x2545_F491_4F6C_DD1Du64;
         let mut byte = || {
@@ -640,7 +647,8 @@ mod tests {
             state ^= state << 17;
             state as u8
         };
-        for (name, supports, row_dot) in kernels {
+        for (name, supports, row_dot, hold) in kernels {
+            let _hold = hold.map(quant_gemv_avx512::HoldAll::set);
             // 512 values: whole 8-block steps of the 32-value kernels; 416 (13 blocks): one
             // step, then the pairs and the last block alone.
             let widths = |ty: QuantType| {

@@ -650,18 +650,6 @@ impl Drop for HoldAll {
     }
 }
 
-/// [`row_dot`] with every type's scales held (`HOLD`) or only Q4_0's and Q5_0's, whatever
-/// this CPU's vendor would pick: the tests cover both forms on any CPU.
-#[cfg(test)]
-pub(crate) fn row_dot_holding<const HOLD: bool>(
-    ty: QuantType,
-    row: &[u8],
-    x: &[f32],
-) -> Option<f32> {
-    let _hold = HoldAll::set(HOLD);
-    row_dot(ty, row, x)
-}
-
 /// The dot products of whole `K` blocks with each of `R` rows of `x` (row stride `inp`):
 /// four accumulators a row (two blocks in flight), summed by the caller. `hold`: eight
 /// blocks a step with their scales held in memory for every type ([`hold_all_scales`]),
