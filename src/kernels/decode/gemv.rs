@@ -3,8 +3,6 @@
 //! cost; the `gemm` crate's path for one row read it at 14.6 GB/s where this reads it at
 //! 20.7 GB/s (49152 x 576, 2 threads, see docs/performance.md).
 
-use rayon::prelude::*;
-
 use crate::error::{Error, Result};
 use crate::kernels::decode::f16_kernels;
 use crate::kernels::decode::gemv_avx512::{self, Load16};
@@ -101,7 +99,10 @@ pub(crate) fn gemv<T: Widen>(
     if out * inp < 1 << 16 {
         y.chunks_mut(len).enumerate().for_each(work);
     } else {
-        crate::kernels::decode::keep_warm::run(|| y.par_chunks_mut(len).enumerate().for_each(work));
+        crate::kernels::decode::keep_warm::for_each_chunk(y, len, |c, ys| {
+            work((c, ys));
+            Ok(())
+        })?;
     }
     Ok(())
 }
@@ -293,9 +294,10 @@ pub(crate) fn gemv_t<T: Widen>(
     if out * inp < 1 << 16 {
         partials.chunks_mut(out).enumerate().for_each(add);
     } else {
-        crate::kernels::decode::keep_warm::run(|| {
-            partials.par_chunks_mut(out).enumerate().for_each(add)
-        });
+        crate::kernels::decode::keep_warm::for_each_chunk(&mut partials, out, |t, acc| {
+            add((t, acc));
+            Ok(())
+        })?;
     }
     for p in partials.chunks_exact(out) {
         for (yv, pv) in y.iter_mut().zip(p) {
@@ -536,7 +538,10 @@ pub(crate) fn gemv_gated<T: Widen>(
     if 2 * y.len() * inp < 1 << 16 {
         y.chunks_mut(len).enumerate().for_each(work);
     } else {
-        crate::kernels::decode::keep_warm::run(|| y.par_chunks_mut(len).enumerate().for_each(work));
+        crate::kernels::decode::keep_warm::for_each_chunk(y, len, |c, ys| {
+            work((c, ys));
+            Ok(())
+        })?;
     }
     Ok(())
 }

@@ -5,7 +5,6 @@
 //! (an f32 one for an f16 / bf16 cache; see docs/performance.md).
 
 use candle_core::{CpuStorage, DType, Device, Storage, Tensor};
-use rayon::prelude::*;
 
 use crate::error::{Error, Result};
 use crate::kernels::decode::gemv::{add_rows, dot_rows, Widen};
@@ -218,11 +217,8 @@ fn run<T: Widen>(
             .enumerate()
             .try_for_each(work)?;
     } else {
-        crate::kernels::decode::keep_warm::run(|| {
-            parts
-                .par_chunks_mut(group * part)
-                .enumerate()
-                .try_for_each(work)
+        crate::kernels::decode::keep_warm::for_each_chunk(&mut parts, group * part, |c, o| {
+            work((c, o))
         })?;
     }
     // Each query head's runs merged: `o = sum_c 2^(m_c - m) o_c`, `l` likewise.

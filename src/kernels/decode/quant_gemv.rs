@@ -11,8 +11,6 @@
 
 use std::sync::atomic::{AtomicBool, Ordering};
 
-use rayon::prelude::*;
-
 use crate::error::{Error, Result};
 use crate::kernels::activation::silu_times_in_place;
 use crate::kernels::decode::gemv::{dot_rows, task_len_per, ROWS_PER_TASK};
@@ -392,12 +390,7 @@ pub(crate) fn quant_gemv_gated_rows(
     if 2 * out * inp * nx < 1 << 16 {
         target.chunks_mut(len * nx).enumerate().try_for_each(work)?;
     } else {
-        keep_warm::run(|| {
-            target
-                .par_chunks_mut(len * nx)
-                .enumerate()
-                .try_for_each(work)
-        })?;
+        keep_warm::for_each_chunk(target, len * nx, |c, ys| work((c, ys)))?;
     }
     if nx > 1 {
         transpose_into(&yt, nx, y);
@@ -505,7 +498,7 @@ fn product(
     if total * inp * nx < 1 << 16 {
         tasks.iter_mut().try_for_each(work)
     } else {
-        keep_warm::run(|| tasks.par_iter_mut().try_for_each(work))
+        keep_warm::for_each_chunk(&mut tasks, 1, |_, t| t.iter_mut().try_for_each(work))
     }
 }
 
