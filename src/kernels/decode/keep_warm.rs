@@ -11,6 +11,7 @@
 use std::cell::{Cell, UnsafeCell};
 use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
+use std::sync::{Mutex, PoisonError};
 use std::time::{Duration, Instant};
 
 use rayon::prelude::*;
@@ -56,7 +57,8 @@ static SLOT: Slot = Slot {
     panicked: AtomicBool::new(false),
 };
 
-/// Threads now spinning for the next call.
+/// Spinners spawned and not yet ended (queued ones too, so that a call made just after a
+/// spawn does not spawn again).
 static SPINNERS: AtomicUsize = AtomicUsize::new(0);
 
 thread_local! {
@@ -66,7 +68,12 @@ thread_local! {
 
 /// Runs `f(c, chunk)` for each chunk `c` of `len` values of `data` (the last may be
 /// shorter), on the pool's threads, and then leaves the others spinning for the next call.
-/// The first error any chunk returns is returned.
+/// A chunk's error is returned (the first recorded where several fail); a task that panics
+/// on a spinning thread makes the call an error, one that panics on this thread or under
+/// rayon (when the slot is held) panics here.
+///
+/// The slot is one for the process: a spinning thread of one rayon pool may run tasks of a
+/// call made in another.
 pub(crate) fn for_each_chunk<T: Send>(
     data: &mut [T],
     len: usize,
@@ -80,33 +87,93 @@ pub(crate) fn for_each_chunk<T: Send>(
             .enumerate()
             .try_for_each(|(c, d)| f(c, d));
     }
-    let out = match Owned::take() {
-        Some(owned) => owned.run(data, len, &f),
-        None => data
-            .par_chunks_mut(len)
-            .enumerate()
-            .try_for_each(|(c, d)| f(c, d)),
-    };
-    for _ in SPINNERS.load(Ordering::Acquire)..threads - 1 {
-        rayon::spawn(spin_until_next);
+    if rayon::current_thread_index().is_some() {
+        if let Some(out) = run_shared(data, len, &f, threads) {
+            return out;
+        }
     }
+    let out = data
+        .par_chunks_mut(len)
+        .enumerate()
+        .try_for_each(|(c, d)| f(c, d));
+    top_up(threads);
     out
 }
 
-/// The slot while this thread's call owns it.
-struct Owned;
+/// Spawns spinners until `threads - 1` are spawned besides this thread's own.
+fn top_up(threads: usize) {
+    let own = usize::from(SPINNING.with(Cell::get));
+    let spawned = SPINNERS.load(Ordering::Acquire).saturating_sub(own);
+    for _ in spawned..threads - 1 {
+        SPINNERS.fetch_add(1, Ordering::AcqRel);
+        rayon::spawn(spin_until_next);
+    }
+}
+
+/// Runs the chunks of `data` here and on every spinning thread that joins, through the
+/// slot; `None`, running nothing, when another call holds it.
+fn run_shared<T: Send>(
+    data: &mut [T],
+    len: usize,
+    f: &(impl Fn(usize, &mut [T]) -> Result<()> + Sync),
+    threads: usize,
+) -> Option<Result<()>> {
+    let total = data.len();
+    let n = total.div_ceil(len);
+    let base = SendPtr(data.as_mut_ptr());
+    let first_error = Mutex::new(None);
+    let task = |c: usize| {
+        let start = c * len;
+        let end = (start + len).min(total);
+        // SAFETY: each `c < n` is claimed once (`next`), so the chunks are disjoint views
+        // of `data`, which this call borrows mutably until every task is done.
+        let chunk = unsafe { std::slice::from_raw_parts_mut(base.at(start), end - start) };
+        if let Err(e) = f(c, chunk) {
+            let mut first = first_error.lock().unwrap_or_else(PoisonError::into_inner);
+            first.get_or_insert(e);
+        }
+    };
+    let task: &Task<'_> = &task;
+    // SAFETY: the lifetime is erased only while the call is open or a thread is inside it;
+    // `owned`, declared after `task` and `first_error`, is dropped before them (on unwinding
+    // too), and its drop closes the call and waits for those threads.
+    let task: *const Task<'static> = unsafe { std::mem::transmute(task) };
+    let owned = Owned::take(n)?;
+    SLOT.panicked.store(false, Ordering::Relaxed);
+    SLOT.next.store(0, Ordering::Relaxed);
+    // SAFETY: no thread is inside a call (the last owner waited for them) and this call
+    // owns the slot.
+    unsafe { *SLOT.job.get() = (n, Some(task)) };
+    let call = (SLOT.state.load(Ordering::Relaxed) >> CALL_SHIFT).wrapping_add(1);
+    SLOT.state.store(call << CALL_SHIFT, Ordering::Release);
+    // Spinners spawned now join this call once they start.
+    top_up(threads);
+    claim_tasks(n, task);
+    drop(owned);
+    if SLOT.panicked.load(Ordering::Acquire) {
+        return Some(Err(Error::Kernel(
+            "a decode task panicked on another thread".into(),
+        )));
+    }
+    Some(
+        match first_error
+            .into_inner()
+            .unwrap_or_else(PoisonError::into_inner)
+        {
+            Some(e) => Err(e),
+            None => Ok(()),
+        },
+    )
+}
+
+/// The slot while this thread's call of `n` tasks owns it.
+struct Owned {
+    n: usize,
+}
 
 impl Owned {
-    /// The slot, where some thread spins to share a call and no other call holds it.
-    fn take() -> Option<Self> {
-        if SPINNERS.load(Ordering::Acquire) == 0 || rayon::current_thread_index().is_none() {
-            return None;
-        }
-        Self::claim()
-    }
-
-    /// The slot, where no other call holds it.
-    fn claim() -> Option<Self> {
+    /// The slot for a call of `n` tasks, where no other call holds it.
+    fn take(n: usize) -> Option<Self> {
         // An `Owned` made and dropped would free a slot some other call holds: made only
         // once the slot is taken.
         let taken = SLOT
@@ -114,57 +181,9 @@ impl Owned {
             .compare_exchange(false, true, Ordering::Acquire, Ordering::Relaxed)
             .is_ok();
         if taken {
-            Some(Owned)
+            Some(Owned { n })
         } else {
             None
-        }
-    }
-
-    /// Runs the chunks of `data` here and on every spinning thread that joins.
-    fn run<T: Send>(
-        self,
-        data: &mut [T],
-        len: usize,
-        f: &(impl Fn(usize, &mut [T]) -> Result<()> + Sync),
-    ) -> Result<()> {
-        let total = data.len();
-        let n = total.div_ceil(len);
-        let base = SendPtr(data.as_mut_ptr());
-        let first_error = std::sync::Mutex::new(None);
-        let task = |c: usize| {
-            let start = c * len;
-            let end = (start + len).min(total);
-            // SAFETY: each `c < n` is claimed once (`next`), so the chunks are disjoint
-            // views of `data`, which this call borrows mutably until every task is done.
-            let chunk = unsafe { std::slice::from_raw_parts_mut(base.at(start), end - start) };
-            if let Err(e) = f(c, chunk) {
-                if let Ok(mut first) = first_error.lock() {
-                    first.get_or_insert(e);
-                }
-            }
-        };
-        let task: &Task<'_> = &task;
-        // SAFETY: the lifetime is erased only while the call is open or a thread is inside
-        // it; `Drop` closes it and waits for them before `task` goes out of scope.
-        let task: *const Task<'static> = unsafe { std::mem::transmute(task) };
-        SLOT.panicked.store(false, Ordering::Relaxed);
-        SLOT.next.store(0, Ordering::Relaxed);
-        // SAFETY: no thread is inside a call (the last caller waited for them) and this one
-        // owns the slot.
-        unsafe { *SLOT.job.get() = (n, Some(task)) };
-        let call = (SLOT.state.load(Ordering::Relaxed) >> CALL_SHIFT).wrapping_add(1);
-        SLOT.state.store(call << CALL_SHIFT, Ordering::Release);
-        claim_tasks(n, task);
-        drop(self);
-        if SLOT.panicked.load(Ordering::Acquire) {
-            return Err(Error::Kernel(
-                "a decode task panicked on another thread".into(),
-            ));
-        }
-        match first_error.into_inner() {
-            Ok(Some(e)) => Err(e),
-            Ok(None) => Ok(()),
-            Err(_) => Err(Error::Kernel("a decode task panicked".into())),
         }
     }
 }
@@ -174,6 +193,10 @@ impl Drop for Owned {
     /// unwinding too, so that no thread runs a task whose caller has returned).
     fn drop(&mut self) {
         SLOT.state.fetch_or(CLOSED, Ordering::AcqRel);
+        if std::thread::panicking() {
+            // The tasks not yet begun are skipped by the threads inside.
+            SLOT.next.fetch_max(self.n, Ordering::Relaxed);
+        }
         while SLOT.state.load(Ordering::Acquire) & INSIDE != 0 {
             std::hint::spin_loop();
         }
@@ -194,7 +217,7 @@ fn claim_tasks(n: usize, task: *const Task<'static>) {
     }
 }
 
-/// Joins the open call after `seen`, if any: runs its tasks and leaves. Returns the call
+/// Joins the open call if it is not `seen`: runs its tasks and leaves. Returns the call
 /// joined.
 fn join_open_call(seen: u64) -> Option<u64> {
     let mut state = SLOT.state.load(Ordering::Acquire);
@@ -224,15 +247,16 @@ fn join_open_call(seen: u64) -> Option<u64> {
     Some(state >> CALL_SHIFT)
 }
 
-/// Spins until [`SPIN`] has passed with no call, joining each call that opens meanwhile and
-/// running any rayon work that arrives (other parallel code must not wait for the spin).
+/// Spins until [`SPIN`] has passed with no call, joining each call that opens meanwhile
+/// (the one open when it starts too) and running any rayon work that arrives (other
+/// parallel code must not wait for the spin).
 fn spin_until_next() {
     if SPINNING.with(Cell::get) {
+        SPINNERS.fetch_sub(1, Ordering::AcqRel);
         return;
     }
     SPINNING.with(|s| s.set(true));
-    SPINNERS.fetch_add(1, Ordering::AcqRel);
-    let mut seen = SLOT.state.load(Ordering::Acquire) >> CALL_SHIFT;
+    let mut seen = u64::MAX;
     let mut since = Instant::now();
     let mut polls = 0u32;
     loop {
@@ -251,8 +275,8 @@ fn spin_until_next() {
         }
         std::hint::spin_loop();
     }
-    SPINNERS.fetch_sub(1, Ordering::AcqRel);
     SPINNING.with(|s| s.set(false));
+    SPINNERS.fetch_sub(1, Ordering::AcqRel);
 }
 
 /// A pointer into the data of a call, shared by its tasks.
@@ -334,19 +358,19 @@ mod tests {
     #[test]
     fn a_held_slot_stays_held() {
         let held = loop {
-            if let Some(held) = Owned::claim() {
+            if let Some(held) = Owned::take(1) {
                 break held;
             }
             std::thread::yield_now();
         };
-        assert!(Owned::claim().is_none());
+        assert!(Owned::take(1).is_none());
         assert!(
             SLOT.busy.load(Ordering::Acquire),
             "a failed claim freed the slot"
         );
         drop(held);
         let again = loop {
-            if let Some(again) = Owned::claim() {
+            if let Some(again) = Owned::take(1) {
                 break again;
             }
             std::thread::yield_now();
