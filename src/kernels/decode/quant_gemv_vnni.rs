@@ -31,14 +31,11 @@ use crate::kernels::decode::quant_gemv_int8_avx2;
 use crate::kernels::quant::blocks::QuantType;
 
 /// `x` in 32-value blocks of signed bytes: `x[32 i + j] ~ qs[32 i + j] * d[i]`, and
-/// `dsum[i] = d[i] * sum_j qs[32 i + j]` (the offset and `m` terms' factor). `halves` holds
-/// the same bytes with each pair of blocks `(2p, 2p + 1)` as the 4- and 5-bit weights'
-/// nibbles come out of their bytes: the first 16 values of each, then the last 16 of each.
-/// Both on 64-byte lines ([`Lines`]), as the kernels read them.
+/// `dsum[i] = d[i] * sum_j qs[32 i + j]` (the offset and `m` terms' factor). `qs` on
+/// 64-byte lines ([`Lines`]), as the kernels read them.
 #[derive(Debug, Clone, Default)]
 pub(crate) struct QuantizedX {
     pub(crate) qs: Lines,
-    halves: Lines,
     pub(crate) d: Vec<f32>,
     pub(crate) dsum: Vec<f32>,
     /// Per 4 values, `-32` times the sum of their bytes: Q6_K's offset term, where its
@@ -58,7 +55,6 @@ impl QuantizedX {
         let n = x.len() / 32;
         let mut out = Self {
             qs: Lines::zeroed(x.len()),
-            halves: Lines::default(),
             d: vec![0.0; n],
             dsum: vec![0.0; n],
             offsets: Vec::new(),
@@ -77,12 +73,6 @@ impl QuantizedX {
             .chunks_exact(4)
             .map(|q| -32 * q.iter().map(|&v| i32::from(v)).sum::<i32>())
             .collect();
-        out.halves.clone_from(&out.qs);
-        for (h, q) in out.halves.chunks_exact_mut(64).zip(out.qs.chunks_exact(64)) {
-            for (part, src) in [0, 32, 16, 48].into_iter().enumerate() {
-                h[16 * part..16 * (part + 1)].copy_from_slice(&q[src..src + 16]);
-            }
-        }
         Some(out)
     }
 
@@ -319,21 +309,12 @@ unsafe fn dot_pairs<const K: u8, const R: usize>(b0: *const u8, xs: &[QuantizedX
     use crate::kernels::decode::quant_gemv::kind::{self, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0};
     let size = kind::quant_type(K).block_bytes();
     let n = xs[0].d.len();
-    // Lanes of the sums: Q8_0's blocks in order (8 lanes each); the others' halves
-    // interleaved (4 lanes of each block's first 16 values, then of its last 16).
-    let spread = if K == Q8_0 {
-        _mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1)
-    } else {
-        _mm512_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1, 0, 0, 0, 0, 1, 1, 1, 1)
-    };
+    // Lanes of the sums: the pair's blocks in order, 8 lanes each.
+    let spread = _mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1);
     let (mut acc, mut terms) = ([_mm512_setzero_ps(); R], [_mm_setzero_ps(); R]);
     let mut xq = [std::ptr::null::<i8>(); R];
     for (q, x) in xq.iter_mut().zip(xs) {
-        *q = if K == Q8_0 {
-            x.qs.as_ptr()
-        } else {
-            x.halves.as_ptr()
-        };
+        *q = x.qs.as_ptr();
     }
     let half = |p: *const u8| u32::from(u16::from_le_bytes([*p, *p.add(1)]));
     // The pair of blocks at `a` and `b` as 64 unsigned bytes, in the lanes `xq` expects.
@@ -349,22 +330,21 @@ unsafe fn dot_pairs<const K: u8, const R: usize>(b0: *const u8, xs: &[QuantizedX
                 Q5_0 => 6,
                 _ => 8,
             };
-            let bytes = _mm256_inserti128_si256::<1>(
-                _mm256_castsi128_si256(_mm_loadu_si128(a.add(at) as *const __m128i)),
+            // Both blocks' values in order (`x`'s own): `a`'s 16 bytes broadcast to the
+            // first two 128-bit lanes, `b`'s to the last two (loads, no lane shuffles), the
+            // second lane of each shifted down a nibble.
+            let both = _mm512_mask_broadcast_i32x4(
+                _mm512_broadcast_i32x4(_mm_loadu_si128(a.add(at) as *const __m128i)),
+                0xFF00,
                 _mm_loadu_si128(b.add(at) as *const __m128i),
             );
-            let mask = _mm256_set1_epi8(0x0F);
-            let lo = _mm256_and_si256(bytes, mask);
-            let hi = _mm256_and_si256(_mm256_srli_epi16::<4>(bytes), mask);
-            let w = _mm512_inserti64x4::<1>(_mm512_castsi256_si512(lo), hi);
+            let nibble = _mm512_setr_epi32(0, 0, 0, 0, 4, 4, 4, 4, 0, 0, 0, 0, 4, 4, 4, 4);
+            let w = _mm512_and_si512(_mm512_srlv_epi32(both, nibble), _mm512_set1_epi8(0x0F));
             if K == Q5_0 || K == Q5_1 {
+                // Bit j of `qh` is value j's fifth bit: `a`'s 32 bits, then `b`'s.
                 let qh = if K == Q5_0 { 2 } else { 4 };
-                let (ha, hb) = (read_u32(a.add(qh)), read_u32(b.add(qh)));
-                let bits = u64::from(ha & 0xFFFF)
-                    | u64::from(hb & 0xFFFF) << 16
-                    | u64::from(ha >> 16) << 32
-                    | u64::from(hb >> 16) << 48;
-                _mm512_or_si512(w, _mm512_maskz_mov_epi8(bits, _mm512_set1_epi8(0x10)))
+                let bits = u64::from(read_u32(a.add(qh))) | u64::from(read_u32(b.add(qh))) << 32;
+                _mm512_mask_add_epi8(w, bits, w, _mm512_set1_epi8(0x10))
             } else {
                 w
             }
