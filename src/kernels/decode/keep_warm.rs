@@ -70,7 +70,8 @@ thread_local! {
 /// shorter), on the pool's threads, and then leaves the others spinning for the next call.
 /// A chunk's error is returned (the first recorded where several fail); a task that panics
 /// on a spinning thread makes the call an error, one that panics on this thread or under
-/// rayon (when the slot is held) panics here.
+/// rayon (when the slot is held) panics here (unless a spinner nested in one of this
+/// thread's tasks ran it).
 ///
 /// The slot is one for the process: a spinning thread of one rayon pool may run tasks of a
 /// call made in another.
@@ -103,9 +104,13 @@ pub(crate) fn for_each_chunk<T: Send>(
 /// Spawns spinners until `threads - 1` are spawned besides this thread's own.
 fn top_up(threads: usize) {
     let own = usize::from(SPINNING.with(Cell::get));
-    let spawned = SPINNERS.load(Ordering::Acquire).saturating_sub(own);
-    for _ in spawned..threads - 1 {
-        SPINNERS.fetch_add(1, Ordering::AcqRel);
+    // Each spawn counted first (one CAS), so that callers at once spawn no more between them.
+    while SPINNERS
+        .fetch_update(Ordering::AcqRel, Ordering::Acquire, |n| {
+            (n.saturating_sub(own) < threads - 1).then_some(n + 1)
+        })
+        .is_ok()
+    {
         rayon::spawn(spin_until_next);
     }
 }
@@ -283,7 +288,7 @@ fn spin_until_next() {
 #[derive(Clone, Copy)]
 struct SendPtr<T>(*mut T);
 
-// SAFETY: the tasks write disjoint chunks of the data behind it (see `Owned::run`).
+// SAFETY: the tasks write disjoint chunks of the data behind it (see `run_shared`).
 unsafe impl<T: Send> Sync for SendPtr<T> {}
 unsafe impl<T: Send> Send for SendPtr<T> {}
 
