@@ -3,10 +3,11 @@
 //! After a call the pool's other threads stay awake, spinning (for at most [`SPIN`]) until
 //! the next call begins, so that call does not wait for a parked thread to be woken; while
 //! they spin they run any rayon work that arrives, so other parallel code never waits on
-//! them. A call made while they spin is handed to them through one shared slot (a job, a
+//! them. A call made on a pool thread is handed to them through one shared slot (a job, a
 //! task counter and a count of the threads inside it), not through rayon's deques and
 //! latches: they take its tasks from a counter as the caller does, and the caller's wait
-//! at the end is a spin on that count (see docs/performance.md).
+//! at the end is a spin on that count. Calls off the pool, or while another call holds the
+//! slot, go through rayon as before (see docs/performance.md).
 
 use std::cell::{Cell, UnsafeCell};
 use std::panic::{catch_unwind, AssertUnwindSafe};
