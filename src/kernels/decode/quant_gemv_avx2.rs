@@ -4,7 +4,9 @@
 //! makes them, multiplied into f32 accumulators as they go. The types with a minimum make
 //! each value as one fused `d * q + m` (Q4_K's `dl * q - ml`): `d * q` is exact in f32 (an
 //! f16 `d` has 11 significant bits, `q` at most 5; Q4_K's `dl = d * sc` 17, `q` 4), so the
-//! one rounding of the fused step is gguf-py's product then sum.
+//! one rounding of the fused step is gguf-py's product then sum. Where a block's values are
+//! `d` times integers (Q4_0, Q5_0, Q8_0), the integers' products with `x` are summed and then
+//! multiplied by `d` once: the same sum in f32 rounding.
 
 #[cfg(target_arch = "x86_64")]
 use std::arch::x86_64::*;
@@ -295,14 +297,8 @@ unsafe fn nibbles_by_shift(qs: *const u8) -> __m256i {
 #[target_feature(enable = "avx2,fma,f16c")]
 unsafe fn block_values<const K: u8>(b: *const u8) -> [__m256; 4] {
     let d = _mm256_set1_ps(half_at(b));
-    if K == Q8_0 {
-        let q = b.add(2);
-        let mut w = [_mm256_setzero_ps(); 4];
-        for (g, wg) in w.iter_mut().enumerate() {
-            let v = _mm_loadl_epi64(q.add(8 * g) as *const __m128i);
-            *wg = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(v)), d);
-        }
-        return w;
+    if matches!(K, Q4_0 | Q5_0 | Q8_0) {
+        return block_integers::<K>(b).map(|q| _mm256_mul_ps(d, q));
     }
     let qs_at = match K {
         Q4_0 => 2,
@@ -314,38 +310,48 @@ unsafe fn block_values<const K: u8>(b: *const u8) -> [__m256; 4] {
     // bits (bit j of `qh` for value j) put in, then 8 lanes at a time; the 4-bit ones from
     // bytes widened as they load.
     let mut w = [_mm256_setzero_ps(); 4];
-    if K == Q5_0 {
-        let v = nibbles_by_shift(b.add(qs_at));
-        // `d * (q - 16)`: the offset taken off the bytes once for the block (signed from
-        // then on; measured 7% faster than on the lanes, and Q4_0 the other way round),
-        // as `low - 16` where the fifth bit is clear, `low` where it is set.
-        let clear = _mm256_andnot_si256(fifth_bit_set(b.add(2)), _mm256_set1_epi8(-16));
-        let q = byte_groups::<true>(_mm256_add_epi8(v, clear));
-        for (wg, lanes) in w.iter_mut().zip(q) {
-            *wg = _mm256_mul_ps(d, _mm256_cvtepi32_ps(lanes));
-        }
-        return w;
-    }
     let q = if K == Q5_1 {
         byte_groups::<false>(_mm256_or_si256(nibbles(b.add(qs_at)), fifth_bits(b.add(4))))
     } else {
         nibble_groups(b.add(qs_at))
     };
-    if K == Q4_0 {
-        // `d * (q - 8)`: the offset on the integers (measured faster than folding it into a
-        // fused `d * q - 8 d`, or taking it off the bytes).
-        let o = _mm256_set1_epi32(8);
-        for (wg, lanes) in w.iter_mut().zip(q) {
-            *wg = _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_sub_epi32(lanes, o)));
-        }
-    } else {
-        // `d * q + m` in one fused step.
-        let m = _mm256_set1_ps(half_at(b.add(2)));
-        for (wg, lanes) in w.iter_mut().zip(q) {
-            *wg = _mm256_fmadd_ps(d, _mm256_cvtepi32_ps(lanes), m);
-        }
+    // `d * q + m` in one fused step.
+    let m = _mm256_set1_ps(half_at(b.add(2)));
+    for (wg, lanes) in w.iter_mut().zip(q) {
+        *wg = _mm256_fmadd_ps(d, _mm256_cvtepi32_ps(lanes), m);
     }
     w
+}
+
+/// The 32 integers whose products with the block's `d` are its values, for the types whose
+/// values are such products (`q` of Q8_0, `q - 8` of Q4_0, `q - 16` of Q5_0), as f32 in four
+/// groups of 8 lanes (values `8 g..8 g + 8`).
+///
+/// # Safety
+/// AVX2, FMA and F16C; `b` points at a whole block of kind `K` (Q4_0, Q5_0 or Q8_0).
+#[cfg(target_arch = "x86_64")]
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn block_integers<const K: u8>(b: *const u8) -> [__m256; 4] {
+    if K == Q8_0 {
+        let q = b.add(2);
+        return std::array::from_fn(|g| {
+            let v = _mm_loadl_epi64(q.add(8 * g) as *const __m128i);
+            _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(v))
+        });
+    }
+    if K == Q5_0 {
+        let v = nibbles_by_shift(b.add(6));
+        // `q - 16`: the offset taken off the bytes once for the block (signed from then on;
+        // measured 7% faster than on the lanes, and Q4_0 the other way round), as `low - 16`
+        // where the fifth bit is clear, `low` where it is set.
+        let clear = _mm256_andnot_si256(fifth_bit_set(b.add(2)), _mm256_set1_epi8(-16));
+        return byte_groups::<true>(_mm256_add_epi8(v, clear)).map(|l| _mm256_cvtepi32_ps(l));
+    }
+    // Q4_0's `q - 8`: the offset on the integers (measured faster than folding it into a
+    // fused `d * q - 8 d`, or taking it off the bytes).
+    let o = _mm256_set1_epi32(8);
+    nibble_groups(b.add(2)).map(|l| _mm256_cvtepi32_ps(_mm256_sub_epi32(l, o)))
 }
 
 /// The dot products of whole `K` blocks with each of `R` rows of `x` (row stride `inp`):
@@ -364,6 +370,26 @@ unsafe fn dot_blocks<const K: u8, const R: usize>(
     let size = kind::quant_type(K).block_bytes();
     let bp = row.as_ptr();
     let mut acc = [[_mm256_setzero_ps(); 4]; R];
+    if matches!(K, Q4_0 | Q5_0 | Q8_0) {
+        // Values `d * q'` exact in f32 (an f16 `d` has 11 significant bits, `q'` at most 8):
+        // each block's `q' x` summed, then multiplied by `d` once, is the sum of gguf-py's
+        // values times `x` in f32 rounding, with three multiplications a block fewer (Q4_0's
+        // rows 9% fewer ticks on an Intel Xeon, Q5_0's 5%, Q8_0's 6%).
+        for i in 0..inp / 32 {
+            let b = bp.add(i * size);
+            let q = block_integers::<K>(b);
+            let d = _mm256_set1_ps(half_at(b));
+            for (r, acc) in acc.iter_mut().enumerate() {
+                let xb = xp.add(r * inp + i * 32);
+                let mut s = _mm256_mul_ps(q[0], _mm256_loadu_ps(xb));
+                for (g, &qg) in q.iter().enumerate().skip(1) {
+                    s = _mm256_fmadd_ps(qg, _mm256_loadu_ps(xb.add(8 * g)), s);
+                }
+                acc[i % 4] = _mm256_fmadd_ps(d, s, acc[i % 4]);
+            }
+        }
+        return acc;
+    }
     for i in 0..inp / 32 {
         let w = block_values::<K>(bp.add(i * size));
         for (r, acc) in acc.iter_mut().enumerate() {
