@@ -643,7 +643,7 @@ mod tests {
         for (name, supports, row_dot, hold) in kernels {
             let _hold = hold.map(quant_gemv_avx512::HoldAll::set);
             // 512 values: whole 8-block steps of the 32-value kernels; 416 (13 blocks): one
-            // step, then the pairs and the last block alone.
+            // step, then five blocks alone.
             let widths = |ty: QuantType| {
                 if ty.block_values() == 256 {
                     vec![512]

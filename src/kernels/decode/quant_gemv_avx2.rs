@@ -6,7 +6,8 @@
 //! f16 `d` has 11 significant bits, `q` at most 5; Q4_K's `dl = d * sc` 17, `q` 4), so the
 //! one rounding of the fused step is gguf-py's product then sum. Where a block's values are
 //! `d` times integers (Q4_0, Q5_0, Q8_0), the integers' products with `x` are summed and then
-//! multiplied by `d` once: the same sum in f32 rounding.
+//! multiplied by `d` once: the same sum as gguf-py's values times `x` in exact arithmetic,
+//! rounded differently (f32 rounding).
 
 #[cfg(target_arch = "x86_64")]
 use std::arch::x86_64::*;
@@ -287,40 +288,27 @@ unsafe fn nibbles_by_shift(qs: *const u8) -> __m256i {
     _mm256_and_si256(shifted, _mm256_set1_epi8(0x0F))
 }
 
-/// The 32 values of the block at `b` as four groups of 8 lanes (values `8 g..8 g + 8`), each
-/// made as gguf-py makes it: `q * d`, `d * (q - 8)`, `d * q + m`, `d * (q - 16)`.
+/// The 32 values `d * q + m` of the Q4_1 or Q5_1 block at `b` as four groups of 8 lanes
+/// (values `8 g..8 g + 8`), each made as gguf-py makes it, in one fused step.
 ///
 /// # Safety
-/// AVX2, FMA and F16C; `b` points at a whole block of kind `K`.
+/// AVX2, FMA and F16C; `b` points at a whole block of kind `K` (Q4_1 or Q5_1).
 #[cfg(target_arch = "x86_64")]
 #[inline]
 #[target_feature(enable = "avx2,fma,f16c")]
 unsafe fn block_values<const K: u8>(b: *const u8) -> [__m256; 4] {
+    debug_assert!(matches!(K, Q4_1 | Q5_1));
     let d = _mm256_set1_ps(half_at(b));
-    if matches!(K, Q4_0 | Q5_0 | Q8_0) {
-        return block_integers::<K>(b).map(|q| _mm256_mul_ps(d, q));
-    }
-    let qs_at = match K {
-        Q4_0 => 2,
-        Q4_1 => 4,
-        Q5_0 => 6,
-        _ => 8,
-    };
-    // The 5-bit types: the values as bytes in order (low nibbles, then high) with the fifth
-    // bits (bit j of `qh` for value j) put in, then 8 lanes at a time; the 4-bit ones from
-    // bytes widened as they load.
-    let mut w = [_mm256_setzero_ps(); 4];
+    // Q5_1: the values as bytes in order (low nibbles, then high) with the fifth bits (bit
+    // j of `qh` for value j) put in, then 8 lanes at a time; Q4_1's from bytes widened as
+    // they load.
     let q = if K == Q5_1 {
-        byte_groups::<false>(_mm256_or_si256(nibbles(b.add(qs_at)), fifth_bits(b.add(4))))
+        byte_groups::<false>(_mm256_or_si256(nibbles(b.add(8)), fifth_bits(b.add(4))))
     } else {
-        nibble_groups(b.add(qs_at))
+        nibble_groups(b.add(4))
     };
-    // `d * q + m` in one fused step.
     let m = _mm256_set1_ps(half_at(b.add(2)));
-    for (wg, lanes) in w.iter_mut().zip(q) {
-        *wg = _mm256_fmadd_ps(d, _mm256_cvtepi32_ps(lanes), m);
-    }
-    w
+    q.map(|lanes| _mm256_fmadd_ps(d, _mm256_cvtepi32_ps(lanes), m))
 }
 
 /// The 32 integers whose products with the block's `d` are its values, for the types whose
@@ -333,6 +321,7 @@ unsafe fn block_values<const K: u8>(b: *const u8) -> [__m256; 4] {
 #[inline]
 #[target_feature(enable = "avx2,fma,f16c")]
 unsafe fn block_integers<const K: u8>(b: *const u8) -> [__m256; 4] {
+    debug_assert!(matches!(K, Q4_0 | Q5_0 | Q8_0));
     if K == Q8_0 {
         let q = b.add(2);
         return std::array::from_fn(|g| {
@@ -373,8 +362,9 @@ unsafe fn dot_blocks<const K: u8, const R: usize>(
     if matches!(K, Q4_0 | Q5_0 | Q8_0) {
         // Values `d * q'` exact in f32 (an f16 `d` has 11 significant bits, `q'` at most 8):
         // each block's `q' x` summed, then multiplied by `d` once, is the sum of gguf-py's
-        // values times `x` in f32 rounding, with three multiplications a block fewer (Q4_0's
-        // rows 9% fewer ticks on an Intel Xeon, Q5_0's 5%, Q8_0's 6%).
+        // values times `x` up to f32 rounding, with three multiplications a block fewer for
+        // one row of `x` (L2 ticks on an Intel Xeon: Q4_0 9% fewer, Q5_0 5%, Q8_0 6%; with 2
+        // rows Q4_0 and Q5_0 2-6% fewer, Q8_0 6% more).
         for i in 0..inp / 32 {
             let b = bp.add(i * size);
             let q = block_integers::<K>(b);

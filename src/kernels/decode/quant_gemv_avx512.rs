@@ -1,12 +1,13 @@
 //! AVX-512 dot products of one GGUF weight row with `x`, for the 32-value block types
-//! (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0) and the K-quants (Q2_K-Q6_K): each block
-//! is unpacked in registers, its values made exactly as gguf-py makes them (`d * q + m` as a
-//! product then a sum), and multiplied into f32 accumulators as they go, so the weight is
-//! read once and never written out. The 4- and 5-bit types (and Q4_K's groups) look their
-//! values up in a per-block table of the 16 or 32 a block can hold (`vpermps`); where the
-//! product `d * q` is exact in f32 the table's one fused `d * q + m` is the same value.
-//! Where a block's values are `d` times integers (Q4_0, Q5_0, Q8_0), the integers' products
-//! with `x` are summed and then multiplied by `d` once: the same sum in f32 rounding.
+//! (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0) and the K-quants (Q2_K-Q6_K): each block is unpacked in
+//! registers and multiplied into f32 accumulators as it goes, so the weight is read once and
+//! never written out. Blocks with a minimum (Q4_1, Q5_1, the K-quants but Q3_K and Q6_K) have
+//! their values made exactly as gguf-py makes them (`d * q + m` as a product then a sum),
+//! looked up in a per-block table of the 16 or 32 a block (or Q4_K's group) can hold
+//! (`vpermps`): the product `d * q` is exact in f32, so the table's one fused `d * q + m` is
+//! the same value. Where a block's values are `d` times integers (Q4_0, Q5_0, Q8_0), the
+//! integers' products with `x` are summed and then multiplied by `d` once: the same sum as
+//! gguf-py's values times `x` in exact arithmetic, rounded differently (f32 rounding).
 
 // The AVX-512 intrinsics are stable since Rust 1.89, above the `rust-version` the manifest
 // declares; candle-core 0.11 itself needs 1.89 on x86-64 (as in `microkernel.rs`).
@@ -640,7 +641,8 @@ impl Drop for HoldAll {
 }
 
 /// The dot products of whole `K` blocks with each of `R` rows of `x` (row stride `inp`):
-/// four accumulators a row (two blocks in flight), summed by the caller. `hold`: eight
+/// four accumulators a row (one a block for Q4_0, Q5_0 and Q8_0, two for Q4_1 and Q5_1),
+/// summed by the caller. `hold`: eight
 /// blocks a step with their scales held in memory for every type ([`hold_all_scales`]),
 /// else for Q4_0 and Q5_0 alone.
 ///
@@ -716,7 +718,7 @@ unsafe fn dot_blocks<const K: u8, const R: usize>(
 /// The `d` and `m` of the 8 Q4_1 blocks at `b` as f32: block `k`'s in lanes `2 k` and
 /// `2 k + 1`. Each block's two f16 are its first 4-byte word, at word `5 k` (20-byte
 /// blocks): one two-register permute picks all 8, in place of 8 scalar loads, shifts and
-/// ors a scale (Q4_1's rows 5% fewer ticks on an Intel Xeon).
+/// ors a scale (Q4_1's rows 10-13% fewer L2 ticks on an Intel Xeon).
 ///
 /// # Safety
 /// AVX-512F; 8 whole Q4_1 blocks at `b` (160 bytes; bytes `0..144` are read).
@@ -789,15 +791,16 @@ unsafe fn block_values<const K: u8>(b: *const u8) -> (__m512, __m512) {
 /// The 32 integers of the Q4_0, Q5_0 or Q8_0 block at `b` whose products with its `d` are
 /// its values (`q - 8`, `q - 16`, `q`), as f32 lanes (values `j` and `16 + j`). Q4_0's are
 /// looked up in the 16 integers its four bits can make (`vpermps` reads a lane's low four
-/// bits, so the low nibbles need no mask), Q5_0's by all five bits in the 32 its can
+/// bits, so the low nibbles need no mask), Q5_0's by all five bits in the 32 they can make
 /// ([`five_bit_indices`]).
 ///
 /// # Safety
-/// AVX-512F; `b` points at a whole block of kind `K`.
+/// AVX-512F; `b` points at a whole block of kind `K` (Q4_0, Q5_0 or Q8_0).
 #[cfg(target_arch = "x86_64")]
 #[inline]
 #[target_feature(enable = "avx512f")]
 unsafe fn block_integers<const K: u8>(b: *const u8) -> (__m512, __m512) {
+    debug_assert!(symmetric::<K>());
     if K == Q8_0 {
         let q = b.add(2) as *const __m128i;
         return (
@@ -825,8 +828,10 @@ unsafe fn block_integers<const K: u8>(b: *const u8) -> (__m512, __m512) {
 /// `acc + d (lo x[..16] + hi x[16..32])`, lane-wise, for a block whose values are `d` times
 /// the integers `lo`, `hi` ([`symmetric`]): those products exact, the integers' products
 /// with `x` summed before the one multiplication by `d` are the sum of gguf-py's values
-/// times `x` in f32 rounding, with one multiplication a block fewer than making each value
-/// (Q8_0's rows 7% fewer ticks on an Intel Xeon, Q4_0's 4%).
+/// times `x` up to f32 rounding. For one row of `x` a Q8_0 block takes one multiplication
+/// fewer than making each value, and Q4_0's and Q5_0's integers come from constant tables
+/// (L2 ticks on an Intel Xeon: Q8_0 7% fewer, Q4_0 4%; with 4 rows of `x` 8-33% fewer,
+/// with 2 about the same).
 ///
 /// # Safety
 /// AVX-512F; `xb` points at 32 readable floats.
@@ -845,11 +850,12 @@ unsafe fn scaled_dot(lo: __m512, hi: __m512, xb: *const f32, d: __m512, acc: __m
 /// `d * q + m` rounds exactly as gguf-py's product then sum.
 ///
 /// # Safety
-/// As [`block_values`].
+/// AVX-512F; `b` points at a whole block of kind `K` (Q4_1 or Q5_1).
 #[cfg(target_arch = "x86_64")]
 #[inline]
 #[target_feature(enable = "avx512f")]
 unsafe fn block_values_dm<const K: u8>(b: *const u8, d: __m512, m: __m512) -> (__m512, __m512) {
+    debug_assert!(matches!(K, Q4_1 | Q5_1));
     let qs_at = if K == Q4_1 { 4 } else { 8 };
     // Lane j: byte j, value j in its low nibble and value 16 + j in its high one.
     let bytes = _mm512_cvtepu8_epi32(_mm_loadu_si128(b.add(qs_at) as *const __m128i));
