@@ -642,9 +642,8 @@ impl Drop for HoldAll {
 
 /// The dot products of whole `K` blocks with each of `R` rows of `x` (row stride `inp`):
 /// four accumulators a row (one a block for Q4_0, Q5_0 and Q8_0, two for Q4_1 and Q5_1),
-/// summed by the caller. `hold`: eight
-/// blocks a step with their scales held in memory for every type ([`hold_all_scales`]),
-/// else for Q4_0 and Q5_0 alone.
+/// summed by the caller. `hold`: eight blocks a step with their scales held in memory for
+/// every type ([`hold_all_scales`]), else for Q4_0 and Q5_0 alone.
 ///
 /// # Safety
 /// AVX-512F; `row` holds `inp / 32` whole blocks, `xp` `R` rows of `inp` values.
