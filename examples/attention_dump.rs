@@ -34,9 +34,8 @@ use candle_attention::viz::{
     DumpSelection, ExplainMethod, Explanation, HeatmapStyle, HEATMAP_MAX_TOKENS,
 };
 use candle_attention::{
-    into_length_sorted_batches, parse_dtype, select_device, ChatTemplate, Checkpoint, EncodedText,
-    GgufFile, HfConfig, LlamaConfig, LlamaModel, Model, ModelFiles, ModelResolver, TextEncoder,
-    WeightLayout,
+    into_length_sorted_batches, parse_dtype, select_device, Architecture, ChatTemplate, Checkpoint,
+    EncodedText, GgufFile, LlamaConfig, LlamaModel, Model, ModelFiles, ModelResolver, TextEncoder,
 };
 use candle_core::{DType, Device, Tensor};
 use clap::{Parser, ValueEnum};
@@ -536,8 +535,7 @@ impl Network {
         truncate: bool,
         chat: Option<Option<String>>,
     ) -> anyhow::Result<Self> {
-        let hf = HfConfig::from_file(&files.config)?;
-        if hf.layout()? != WeightLayout::Llama {
+        if Architecture::of_config_file(&files.config)?.is_encoder() {
             if chat.is_some() {
                 bail!("--chat takes a decoder (a LLaMA-family model) with a chat template");
             }

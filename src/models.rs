@@ -3,10 +3,12 @@
 //! with rotary embeddings ([`rope`]) and its cache ([`kv_cache`]), and where a model's
 //! files come from ([`resolver`]: a directory or the Hugging Face hub).
 
+pub(crate) mod architecture;
 pub(crate) mod batching;
 pub(crate) mod bert;
 pub(crate) mod decode_step;
 pub(crate) mod embedder;
+pub(crate) mod encoder_family;
 pub(crate) mod kv_cache;
 pub(crate) mod llama;
 pub(crate) mod resolver;

@@ -1,6 +1,7 @@
 //! A BERT-family encoder assembled from this crate's [`MultiHeadSelfAttention`] and
 //! candle-nn parts: embeddings (word + position + token type, LayerNorm), then per layer
-//! attention, residual + LayerNorm, feed-forward, residual + LayerNorm.
+//! attention, residual + LayerNorm, feed-forward, residual + LayerNorm. The families of this
+//! form (BERT, RoBERTa / XLM-R, DistilBERT) differ only in what [`EncoderFamily`] describes.
 
 use std::sync::Arc;
 
@@ -21,10 +22,10 @@ use crate::kernels::encoder::feed_forward::{
 use crate::kernels::gemm::matrix::HalfRows;
 use crate::kernels::gemm::packed::PackedWeight;
 use crate::kernels::pool::in_pool;
+use crate::models::encoder_family::{EncoderFamily, PositionIds};
 use crate::models::trace::{graph_input, probe, ForwardTrace, TraceOptions};
 use crate::weights::checkpoint::Checkpoint;
 use crate::weights::config::{AttentionConfig, HfConfig};
-use crate::weights::layout::WeightLayout;
 use crate::weights::stored::StoredWeight;
 
 /// The feed-forward activations BERT-family configs name.
@@ -71,6 +72,9 @@ fn layer_norm(vb: VarBuilder, size: usize, eps: f64) -> Result<LayerNorm> {
     };
     Ok(LayerNorm::new(w, b, eps))
 }
+
+/// The word table's name under the base model's root.
+const WORDS: &str = "embeddings.word_embeddings.weight";
 
 /// A dense layer `(out, in)` with bias, checked against the expected sizes.
 struct Dense {
@@ -140,9 +144,14 @@ struct BertEmbeddings {
     /// converting the largest table at load time.
     word: WordEmbeddings,
     position: Embedding,
-    token_type: Embedding,
+    /// `None` for a family without token types (DistilBERT).
+    token_type: Option<Embedding>,
     norm: LayerNorm,
+    /// The longest sequence the position table covers.
     max_positions: usize,
+    positions: PositionIds,
+    /// The padding id RoBERTa's positions count from.
+    pad_token_id: u32,
 }
 
 impl BertEmbeddings {
@@ -151,6 +160,7 @@ impl BertEmbeddings {
     fn load(
         vb: VarBuilder,
         cfg: &HfConfig,
+        family: &EncoderFamily,
         word_dtype: Option<DType>,
         half: Option<&Checkpoint>,
     ) -> Result<Self> {
@@ -176,7 +186,7 @@ impl BertEmbeddings {
             Ok(Embedding::new(w, d))
         };
         let position = table("position_embeddings", None)?;
-        let max_positions = position.embeddings().dim(0)?;
+        let max_positions = family.max_sequence(position.embeddings().dim(0)?, cfg);
         let word_name = format!("{}.word_embeddings.weight", vb.prefix());
         let word = match half.filter(|_| word_dtype.is_some()) {
             Some(ckpt) if ckpt.half_matrix(&word_name)?.is_some_and(|m| m.cols == d) => {
@@ -187,12 +197,39 @@ impl BertEmbeddings {
             }
             _ => WordEmbeddings::Tensor(table("word_embeddings", word_dtype)?),
         };
+        let token_type = match family.token_types {
+            true => Some(table("token_type_embeddings", None)?),
+            false => None,
+        };
         Ok(Self {
             word,
             position,
-            token_type: table("token_type_embeddings", None)?,
+            token_type,
             norm: layer_norm(vb.pp("LayerNorm"), d, cfg.layer_norm_eps)?,
             max_positions,
+            positions: family.positions,
+            pad_token_id: family.pad_token_id(cfg),
+        })
+    }
+
+    /// Each token's position id.
+    ///
+    /// # Shapes
+    /// - `input_ids`: `(batch, seq)`; returns `(batch, seq)` u32 on its device
+    fn position_ids(&self, input_ids: &Tensor) -> Result<Tensor> {
+        let (b, t) = input_ids.dims2()?;
+        Ok(match self.positions {
+            PositionIds::FromZero => Tensor::arange(0u32, t as u32, input_ids.device())?
+                .unsqueeze(0)?
+                .repeat((b, 1))?,
+            PositionIds::AfterPadding => {
+                let ids = input_ids
+                    .to_dtype(DType::U32)?
+                    .flatten_all()?
+                    .to_vec1::<u32>()?;
+                let p = self.positions.of(&ids, t, self.pad_token_id);
+                Tensor::from_vec(p, (b, t), input_ids.device())?
+            }
         })
     }
 
@@ -214,12 +251,13 @@ impl BertEmbeddings {
 
     /// [`BertEmbeddings::forward`] in candle's ops (any device, dtype, autograd).
     fn forward_candle(&self, input_ids: &Tensor, token_type_ids: &Tensor) -> Result<Tensor> {
-        let (_b, t) = input_ids.dims2()?;
-        let positions = Tensor::arange(0u32, t as u32, input_ids.device())?.unsqueeze(0)?; // (1, t)
+        let positions = self.position_ids(input_ids)?; // (b, t)
         let words = self.word.forward(input_ids)?.to_dtype(self.norm_dtype())?; // (b, t, d)
-        let types = self.token_type.forward(token_type_ids)?; // (b, t, d)
-        let pos = self.position.forward(&positions)?; // (1, t, d)
-        let x = (words + types)?.broadcast_add(&pos)?;
+        let pos = self.position.forward(&positions)?; // (b, t, d)
+        let x = match &self.token_type {
+            Some(table) => ((words + table.forward(token_type_ids)?)? + pos)?,
+            None => (words + pos)?,
+        };
         Ok(self.norm.forward(&x)?)
     }
 }
@@ -237,10 +275,10 @@ impl BertEmbeddings {
                 && !w.track_op()
         };
         let f32_tables = [
-            self.token_type.embeddings(),
-            self.position.embeddings(),
-            self.norm.weight(),
-            beta,
+            self.token_type.as_ref().map(|t| t.embeddings()),
+            Some(self.position.embeddings()),
+            Some(self.norm.weight()),
+            Some(beta),
         ];
         let eligible = input_ids.device().is_cpu()
             && match &self.word {
@@ -249,6 +287,7 @@ impl BertEmbeddings {
             }
             && f32_tables
                 .iter()
+                .flatten()
                 .all(|w| w.device().is_cpu() && w.dtype() == DType::F32 && !w.track_op());
         if !eligible {
             return Ok(None);
@@ -261,10 +300,17 @@ impl BertEmbeddings {
                 format!("{:?}", token_type_ids.dims()),
             ));
         }
-        let ids = |x: &Tensor| -> Result<Vec<u32>> {
+        let ids_of = |x: &Tensor| -> Result<Vec<u32>> {
             Ok(x.to_dtype(DType::U32)?.flatten_all()?.to_vec1::<u32>()?)
         };
-        let (ids, types) = (ids(input_ids)?, ids(token_type_ids)?);
+        let ids = ids_of(input_ids)?;
+        // A family without token types adds a row of zeros (exact).
+        let no_types = vec![0f32; self.norm.weight().dim(0)?];
+        let types = match &self.token_type {
+            Some(_) => ids_of(token_type_ids)?,
+            None => vec![0u32; ids.len()],
+        };
+        let positions = self.positions.of(&ids, t, self.pad_token_id);
         let (guard, layout);
         let word = match &self.word {
             WordEmbeddings::Mapped { ckpt, name } => {
@@ -283,10 +329,15 @@ impl BertEmbeddings {
                 }
             }
         };
-        let (ty, pos) = (
-            CpuF32::new(self.token_type.embeddings(), "token_type_embeddings")?,
-            CpuF32::new(self.position.embeddings(), "position_embeddings")?,
-        );
+        let ty = match &self.token_type {
+            Some(table) => Some(CpuF32::new(table.embeddings(), "token_type_embeddings")?),
+            None => None,
+        };
+        let pos = CpuF32::new(self.position.embeddings(), "position_embeddings")?;
+        let token_type = match &ty {
+            Some(ty) => ty.contiguous()?,
+            None => &no_types,
+        };
         let (gamma, beta) = (
             CpuF32::new(self.norm.weight(), "LayerNorm.weight")?,
             CpuF32::new(beta, "LayerNorm.bias")?,
@@ -294,7 +345,7 @@ impl BertEmbeddings {
         let out = embed_tokens(
             &EmbeddingTables {
                 word,
-                token_type: ty.contiguous()?,
+                token_type,
                 position: pos.contiguous()?,
                 gamma: &gamma.vector()?,
                 beta: &beta.vector()?,
@@ -302,7 +353,7 @@ impl BertEmbeddings {
             },
             &ids,
             &types,
-            t,
+            &positions,
         )?;
         let d = out.len() / (b * t).max(1);
         Ok(Some(Tensor::from_vec(out, (b, t, d), input_ids.device())?))
@@ -327,30 +378,42 @@ pub struct BertLayer {
 }
 
 impl BertLayer {
-    /// Loads `attention.*`, `intermediate.dense`, `output.dense`, `output.LayerNorm`.
+    /// Loads one layer under `vb` with the names of `cfg.model_type`'s family: BERT's
+    /// `attention.*`, `intermediate.dense`, `output.dense`, `output.LayerNorm`, or
+    /// DistilBERT's `attention.{q,k,v,out}_lin`, `sa_layer_norm`, `ffn.lin1`, `ffn.lin2`,
+    /// `output_layer_norm`.
     pub fn load(vb: VarBuilder, cfg: &HfConfig) -> Result<Self> {
-        Self::load_from(vb, cfg, None)
+        let family = EncoderFamily::of_model_type(cfg.model_type.as_deref())?;
+        Self::load_from(vb, cfg, family, None)
     }
 
     /// [`BertLayer::load`]; with `half`, the checkpoint `vb` reads, whose f16 or bf16
     /// matrices are read where it is mapped (packed on the first long input) when the layer
     /// runs in f32 on the packed kernels: no f32 copy of them is made at load time.
-    fn load_from(vb: VarBuilder, cfg: &HfConfig, half: Option<&Checkpoint>) -> Result<Self> {
+    fn load_from(
+        vb: VarBuilder,
+        cfg: &HfConfig,
+        family: &EncoderFamily,
+        half: Option<&Checkpoint>,
+    ) -> Result<Self> {
         let d = cfg.hidden_size;
-        let attn_cfg = AttentionConfig::new(WeightLayout::Bert, cfg.num_attention_heads);
+        let attn_cfg = AttentionConfig::new(family.attention_layout, cfg.num_attention_heads);
+        let attn_vb = vb.pp(family.attention);
         let attention = match half {
-            Some(ckpt) => {
-                MultiHeadSelfAttention::load_half_packed(&vb.pp("attention"), &attn_cfg, ckpt)?
-            }
+            Some(ckpt) => MultiHeadSelfAttention::load_half_packed(&attn_vb, &attn_cfg, ckpt)?,
             None => None,
         };
         let attention = match attention {
             Some(a) => a,
-            None => MultiHeadSelfAttention::load(vb.pp("attention"), &attn_cfg)?,
+            None => MultiHeadSelfAttention::load(attn_vb, &attn_cfg)?,
         };
         if attention.hidden_size() != d {
+            let query = family
+                .attention_layout
+                .separate_projections()
+                .map_or("query", |p| p[0]);
             return Err(Error::ShapeMismatch {
-                tensor: format!("{}.attention.self.query.weight", vb.prefix()),
+                tensor: format!("{}.{}.{query}.weight", vb.prefix(), family.attention),
                 expected: format!("(_, {d}) for hidden_size {d}"),
                 found: vec![
                     attention.num_heads() * attention.head_dim(),
@@ -360,26 +423,22 @@ impl BertLayer {
         }
         let inter = match cfg.intermediate_size {
             Some(i) => i,
-            None => vb
-                .pp("intermediate")
-                .pp("dense")
-                .get_unchecked("weight")?
-                .dim(0)?,
+            None => vb.pp(family.intermediate).get_unchecked("weight")?.dim(0)?,
         };
-        let attention_norm = layer_norm(
-            vb.pp("attention").pp("output").pp("LayerNorm"),
-            d,
-            cfg.layer_norm_eps,
-        )?;
+        let attention_norm = layer_norm(vb.pp(family.attention_norm), d, cfg.layer_norm_eps)?;
         let activation = Activation::from_name(&cfg.hidden_act)?;
-        let bias = |name: &str, n: usize| vb.pp(name).pp("dense").get(n, "bias");
-        let (intermediate_bias, output_bias) = (bias("intermediate", inter)?, bias("output", d)?);
+        let bias = |name: &str, n: usize| vb.pp(name).get(n, "bias");
+        let (intermediate_bias, output_bias) =
+            (bias(family.intermediate, inter)?, bias(family.output, d)?);
         // The two `(out, in)` matrices: the checkpoint's half-precision bytes where it is
         // mapped when it has them and the kernels will run, as loaded tensors otherwise.
         let half_packed = match half {
             Some(ckpt) if activation == Activation::Gelu && vb.dtype() == DType::F32 => {
                 let pack = |n: &str, rows: usize, cols: usize| -> Result<Option<PackedWeight>> {
-                    let name = format!("{}.{n}.dense.weight", vb.prefix());
+                    let name = match vb.prefix().as_str() {
+                        "" => format!("{n}.weight"),
+                        prefix => format!("{prefix}.{n}.weight"),
+                    };
                     match ckpt.half_matrix(&name)? {
                         Some(m) if (m.rows, m.cols) == (rows, cols) => {
                             PackedWeight::from_half(ckpt.half_source(vec![name]), &[])
@@ -387,7 +446,10 @@ impl BertLayer {
                         _ => Ok(None),
                     }
                 };
-                match (pack("intermediate", inter, d)?, pack("output", d, inter)?) {
+                match (
+                    pack(family.intermediate, inter, d)?,
+                    pack(family.output, d, inter)?,
+                ) {
                     (Some(i), Some(o)) => Some([Arc::new(i), Arc::new(o)]),
                     _ => None,
                 }
@@ -398,13 +460,16 @@ impl BertLayer {
             Some([i, o]) => [FeedForwardWeight::Packed(i), FeedForwardWeight::Packed(o)],
             None => {
                 let w = |name: &str, out: usize, inp: usize| -> Result<FeedForwardWeight> {
-                    let w = vb.pp(name).pp("dense").get((out, inp), "weight")?;
+                    let w = vb.pp(name).get((out, inp), "weight")?;
                     Ok(FeedForwardWeight::Tensor(w))
                 };
-                [w("intermediate", inter, d)?, w("output", d, inter)?]
+                [
+                    w(family.intermediate, inter, d)?,
+                    w(family.output, d, inter)?,
+                ]
             }
         };
-        let output_norm = layer_norm(vb.pp("output").pp("LayerNorm"), d, cfg.layer_norm_eps)?;
+        let output_norm = layer_norm(vb.pp(family.output_norm), d, cfg.layer_norm_eps)?;
         let packed = match activation {
             Activation::Gelu => PackedFeedForward::pack(FeedForwardTensors {
                 attention_norm: &attention_norm,
@@ -539,17 +604,22 @@ pub struct EncoderOutput {
     pub attentions: Option<Vec<Tensor>>,
 }
 
-/// A BERT-family encoder (BERT, MiniLM, all-MiniLM-L6-v2, bert-base-uncased, ...).
+/// A BERT-family encoder: BERT (MiniLM, all-MiniLM-L6-v2, bert-base-uncased, ...),
+/// RoBERTa, XLM-RoBERTa, CamemBERT and DistilBERT, picked by `model_type`
+/// ([`EncoderFamily`]).
 pub struct BertEncoder {
     embeddings: BertEmbeddings,
     layers: Vec<BertLayer>,
     config: HfConfig,
+    family: &'static EncoderFamily,
     dtype: DType,
 }
 
 impl BertEncoder {
-    /// Loads the encoder from a checkpoint root; tensors may sit under `bert.` (as in
-    /// `BertForPreTraining` checkpoints) or at the top level (as in `BertModel`).
+    /// Loads the encoder from a checkpoint root; tensors may sit under the family's base
+    /// prefix (`bert.` as in `BertForPreTraining` checkpoints, `roberta.`, `distilbert.`) or
+    /// at the top level (as in `BertModel`). The family comes from `cfg.model_type`; a
+    /// configuration value it does not implement is an error naming the field.
     pub fn load(vb: VarBuilder, cfg: &HfConfig) -> Result<Self> {
         Self::load_inner(vb, cfg, None, None)
     }
@@ -564,14 +634,19 @@ impl BertEncoder {
         device: &Device,
         cfg: &HfConfig,
     ) -> Result<Self> {
+        let family = EncoderFamily::of_model_type(cfg.model_type.as_deref())?;
+        family.check_config(cfg)?;
+        let base = match ckpt.contains(WORDS) {
+            false if ckpt.contains(&format!("{}.{WORDS}", family.base_prefix)) => {
+                format!("{}.", family.base_prefix)
+            }
+            _ => String::new(),
+        };
+        family.check_tensors(ckpt.names(), &base, cfg)?;
         let vb = ckpt.var_builder(dtype, device);
-        let word_dtype = [
-            "embeddings.word_embeddings.weight",
-            "bert.embeddings.word_embeddings.weight",
-        ]
-        .into_iter()
-        .find_map(|n| ckpt.stored_dtype(n))
-        .filter(|d| dtype == DType::F32 && matches!(d, DType::F16 | DType::BF16));
+        let word_dtype = ckpt
+            .stored_dtype(&format!("{base}{WORDS}"))
+            .filter(|d| dtype == DType::F32 && matches!(d, DType::F16 | DType::BF16));
         // Half-precision matrices are read where the file is mapped for f32 on the CPU.
         let half = (dtype == DType::F32 && device.is_cpu()).then_some(ckpt);
         Self::load_inner(vb, cfg, word_dtype, half)
@@ -584,16 +659,12 @@ impl BertEncoder {
         half: Option<&Checkpoint>,
     ) -> Result<Self> {
         cfg.validate()?;
-        if cfg.position_embedding_type != "absolute" {
-            return Err(Error::config(format!(
-                "position_embedding_type `{}` is not supported (only `absolute`)",
-                cfg.position_embedding_type
-            )));
-        }
-        let vb = if !vb.contains_tensor("embeddings.word_embeddings.weight")
-            && vb.contains_tensor("bert.embeddings.word_embeddings.weight")
+        let family = EncoderFamily::of_model_type(cfg.model_type.as_deref())?;
+        family.check_config(cfg)?;
+        let vb = if !vb.contains_tensor(WORDS)
+            && vb.contains_tensor(&format!("{}.{WORDS}", family.base_prefix))
         {
-            vb.pp("bert")
+            vb.pp(family.base_prefix)
         } else {
             vb
         };
@@ -602,11 +673,14 @@ impl BertEncoder {
         // and packs them for the kernels (or, from a half-precision file, checks its matrices
         // and reads each page once), which is most of a model's load time.
         let (embeddings, layers) = rayon::join(
-            || BertEmbeddings::load(vb.pp("embeddings"), cfg, word_dtype, half),
+            || BertEmbeddings::load(vb.pp("embeddings"), cfg, family, word_dtype, half),
             || {
                 (0..cfg.num_hidden_layers)
                     .into_par_iter()
-                    .map(|i| BertLayer::load_from(vb.pp(format!("encoder.layer.{i}")), cfg, half))
+                    .map(|i| {
+                        let layer = vb.pp(format!("{}.{i}", family.layers));
+                        BertLayer::load_from(layer, cfg, family, half)
+                    })
                     .collect::<Result<Vec<_>>>()
             },
         );
@@ -615,8 +689,14 @@ impl BertEncoder {
             embeddings,
             layers,
             config: cfg.clone(),
+            family,
             dtype,
         })
+    }
+
+    /// The family the encoder was loaded as.
+    pub fn family(&self) -> &'static EncoderFamily {
+        self.family
     }
 
     /// The model config.
@@ -1024,7 +1104,8 @@ mod tests {
         let vb = VarBuilder::from_tensors(tensors, DType::F32, &Device::Cpu);
         // The word table as stored in f32, and kept in f16 (a half-precision checkpoint).
         for word_dtype in [None, Some(DType::F16)] {
-            let emb = BertEmbeddings::load(vb.clone(), &cfg, word_dtype, None)?;
+            let emb =
+                BertEmbeddings::load(vb.clone(), &cfg, &EncoderFamily::BERT, word_dtype, None)?;
             let ids = Tensor::new(&[[1u32, 29, 3, 0, 7], [4, 4, 28, 2, 0]], &Device::Cpu)?;
             let types = Tensor::new(&[[0u32, 0, 1, 1, 0], [1, 0, 0, 0, 1]], &Device::Cpu)?;
             let fast = emb

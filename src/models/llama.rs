@@ -22,6 +22,7 @@ use crate::kernels::decode::widen;
 use crate::kernels::pool::in_pool;
 use crate::kernels::residual;
 use crate::kernels::rms_norm::rms_norm;
+use crate::models::architecture::DECODER_MODEL_TYPES;
 use crate::models::decode_step::{DecodeStep, StepAttention};
 use crate::models::kv_cache::KvCache;
 use crate::models::rope::{RopeConfig, RopeLayout, RopeScaling, RotaryEmbedding};
@@ -144,14 +145,19 @@ impl LlamaConfig {
     }
 
     fn from_value(raw: Value) -> Result<Self> {
-        let mut cfg: Self =
-            serde_json::from_value(raw.clone()).map_err(|e| Error::config(e.to_string()))?;
-        let kind = cfg.model_type.as_deref().unwrap_or("llama");
-        if !matches!(kind, "llama" | "mistral" | "qwen2") {
+        // The family first: another family's config lacks (or renames) LLaMA's fields.
+        let kind = raw
+            .get("model_type")
+            .and_then(Value::as_str)
+            .unwrap_or("llama");
+        if !DECODER_MODEL_TYPES.contains(&kind) {
             return Err(Error::config(format!(
-                "model_type `{kind}` is not a LLaMA-family decoder (llama, mistral, qwen2)"
+                "model_type `{kind}` is not a LLaMA-family decoder ({})",
+                DECODER_MODEL_TYPES.join(", ")
             )));
         }
+        let mut cfg: Self =
+            serde_json::from_value(raw.clone()).map_err(|e| Error::config(e.to_string()))?;
         if cfg.hidden_act != "silu" {
             return Err(Error::config(format!(
                 "hidden_act `{}` is not supported (silu)",

@@ -7,8 +7,10 @@ use std::path::{Path, PathBuf};
 use candle_core::{DType, Device};
 
 use crate::error::{Error, Result};
+use crate::models::architecture::Architecture;
 use crate::models::bert::BertEncoder;
 use crate::models::embedder::Embedder;
+use crate::models::encoder_family::supported_model_types;
 use crate::text::TextEncoder;
 use crate::weights::checkpoint::Checkpoint;
 use crate::weights::config::HfConfig;
@@ -313,7 +315,8 @@ fn shard_names(index: &Path) -> Result<Vec<String>> {
     Ok(shards)
 }
 
-/// A loaded BERT-family model: config, tokenizer and encoder.
+/// A loaded encoder (BERT, RoBERTa, XLM-R, DistilBERT families): config, tokenizer and
+/// encoder.
 pub struct Model {
     /// Where the model came from.
     pub files: ModelFiles,
@@ -329,6 +332,15 @@ impl Model {
     /// Loads the model's config, tokenizer and weights (converted to `dtype` on `device`).
     /// `truncate` cuts texts longer than the model's positions instead of failing.
     pub fn load(files: ModelFiles, dtype: DType, device: &Device, truncate: bool) -> Result<Self> {
+        if Architecture::of_config_file(&files.config)? == Architecture::Decoder {
+            return Err(Error::Model {
+                model: files.name.clone(),
+                reason: format!(
+                    "it is a decoder; this takes an encoder ({})",
+                    supported_model_types()
+                ),
+            });
+        }
         let config = HfConfig::from_file(&files.config)?;
         // Parsing tokenizer.json and reading the weights are independent: do both at once, as
         // two tasks of rayon's pool (a thread of their own competed with the pool's threads,

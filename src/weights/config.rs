@@ -173,11 +173,11 @@ pub struct HfConfig {
     /// `bert`, `gpt2`, `llama`, ... (picks the weight layout).
     #[serde(default)]
     pub model_type: Option<String>,
-    /// Model width (`n_embd` in GPT-2).
-    #[serde(alias = "n_embd", alias = "d_model")]
+    /// Model width (`n_embd` in GPT-2, `dim` in DistilBERT).
+    #[serde(alias = "n_embd", alias = "d_model", alias = "dim")]
     pub hidden_size: usize,
-    /// Query heads (`n_head` in GPT-2).
-    #[serde(alias = "n_head")]
+    /// Query heads (`n_head` in GPT-2, `n_heads` in DistilBERT).
+    #[serde(alias = "n_head", alias = "n_heads")]
     pub num_attention_heads: usize,
     /// Key/value heads (LLaMA grouped-query attention); absent means `num_attention_heads`.
     #[serde(default)]
@@ -185,11 +185,12 @@ pub struct HfConfig {
     /// Head dimension when it is not `hidden_size / num_attention_heads`.
     #[serde(default)]
     pub head_dim: Option<usize>,
-    /// Number of transformer layers (`n_layer` in GPT-2).
-    #[serde(alias = "n_layer")]
+    /// Number of transformer layers (`n_layer` in GPT-2, `n_layers` in DistilBERT).
+    #[serde(alias = "n_layer", alias = "n_layers")]
     pub num_hidden_layers: usize,
-    /// Feed-forward width (`n_inner` in GPT-2, may be null there).
-    #[serde(default, alias = "n_inner")]
+    /// Feed-forward width (`n_inner` in GPT-2, may be null there; `hidden_dim` in
+    /// DistilBERT).
+    #[serde(default, alias = "n_inner", alias = "hidden_dim")]
     pub intermediate_size: Option<usize>,
     /// Longest sequence the position table covers (`n_positions` in GPT-2).
     #[serde(default, alias = "n_positions")]
@@ -207,26 +208,41 @@ pub struct HfConfig {
         alias = "rms_norm_eps"
     )]
     pub layer_norm_eps: f64,
-    /// Feed-forward activation (`gelu`, `gelu_new`, `relu`, ...; `activation_function` in GPT-2).
-    #[serde(default = "default_hidden_act", alias = "activation_function")]
+    /// Feed-forward activation (`gelu`, `gelu_new`, `relu`, ...; `activation_function` in
+    /// GPT-2, `activation` in DistilBERT).
+    #[serde(
+        default = "default_hidden_act",
+        alias = "activation_function",
+        alias = "activation"
+    )]
     pub hidden_act: String,
     /// BERT position embeddings; only `absolute` is supported by the encoder.
     #[serde(default = "default_position_embedding_type")]
     pub position_embedding_type: String,
-    /// Padding token id.
+    /// Padding token id (RoBERTa's positions count from past it).
     #[serde(default)]
     pub pad_token_id: Option<i64>,
+    /// A BERT used as a causal decoder (refused by the encoder).
+    #[serde(default)]
+    pub is_decoder: bool,
+    /// Width of the embeddings when it is not `hidden_size` (ELECTRA, ALBERT; refused by the
+    /// encoder unless equal).
+    #[serde(default)]
+    pub embedding_size: Option<usize>,
 }
 
 impl HfConfig {
     /// Reads and validates a `config.json`.
     pub fn from_file(path: impl AsRef<Path>) -> Result<Self> {
-        read_config_file(path.as_ref(), |text| {
-            let cfg: HfConfig = serde_json::from_str(text)
-                .map_err(|e| Error::config(describe_json_error(text, &e)))?;
-            cfg.validate()?;
-            Ok(cfg)
-        })
+        read_config_file(path.as_ref(), Self::from_json)
+    }
+
+    /// Parses and validates the text of a `config.json`.
+    pub fn from_json(text: &str) -> Result<Self> {
+        let cfg: HfConfig =
+            serde_json::from_str(text).map_err(|e| Error::config(describe_json_error(text, &e)))?;
+        cfg.validate()?;
+        Ok(cfg)
     }
 
     /// Checks that sizes are positive and heads divide the hidden size.
@@ -275,10 +291,11 @@ impl HfConfig {
     pub fn layout(&self) -> Result<WeightLayout> {
         match self.model_type.as_deref().unwrap_or("bert") {
             "bert" | "roberta" | "xlm-roberta" | "camembert" | "electra" => Ok(WeightLayout::Bert),
+            "distilbert" => Ok(WeightLayout::DistilBert),
             "gpt2" => Ok(WeightLayout::Gpt2),
             "llama" | "mistral" | "qwen2" | "qwen3" => Ok(WeightLayout::Llama),
             other => Err(Error::config(format!(
-                "model_type `{other}` has no known attention layout (bert, gpt2, llama families)"
+                "model_type `{other}` has no known attention layout (bert, distilbert, gpt2, llama families)"
             ))),
         }
     }

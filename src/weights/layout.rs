@@ -29,6 +29,9 @@ pub enum WeightLayout {
     /// BERT / RoBERTa / MiniLM: `self.{query,key,value}.{weight,bias}`,
     /// `output.dense.{weight,bias}` under a prefix like `encoder.layer.3.attention`.
     Bert,
+    /// DistilBERT: `q_lin`, `k_lin`, `v_lin`, `out_lin`, each with weight and bias, under a
+    /// prefix like `transformer.layer.3.attention`.
+    DistilBert,
     /// PyTorch `nn.MultiheadAttention`: packed `in_proj_weight (3d, d)`, `in_proj_bias (3d)`
     /// (or `q_proj_weight`/`k_proj_weight`/`v_proj_weight` when `kdim`/`vdim` differ),
     /// `out_proj.{weight,bias}`.
@@ -46,18 +49,20 @@ pub enum WeightLayout {
 
 impl WeightLayout {
     /// Every layout, in the order of their command-line names.
-    pub const ALL: [WeightLayout; 5] = [
+    pub const ALL: [WeightLayout; 6] = [
         WeightLayout::Bert,
+        WeightLayout::DistilBert,
         WeightLayout::TorchMha,
         WeightLayout::Gpt2,
         WeightLayout::Llama,
         WeightLayout::Single,
     ];
 
-    /// The command-line name (`bert`, `torch-mha`, `gpt2`, `llama`, `single`).
+    /// The command-line name (`bert`, `distilbert`, `torch-mha`, `gpt2`, `llama`, `single`).
     pub fn name(&self) -> &'static str {
         match self {
             WeightLayout::Bert => "bert",
+            WeightLayout::DistilBert => "distilbert",
             WeightLayout::TorchMha => "torch-mha",
             WeightLayout::Gpt2 => "gpt2",
             WeightLayout::Llama => "llama",
@@ -76,6 +81,7 @@ impl WeightLayout {
     pub(crate) fn separate_projections(&self) -> Option<[&'static str; 4]> {
         match self {
             WeightLayout::Bert => Some(["self.query", "self.key", "self.value", "output.dense"]),
+            WeightLayout::DistilBert => Some(["q_lin", "k_lin", "v_lin", "out_lin"]),
             WeightLayout::Llama => Some(["q_proj", "k_proj", "v_proj", "o_proj"]),
             WeightLayout::TorchMha | WeightLayout::Gpt2 | WeightLayout::Single => None,
         }
@@ -270,6 +276,17 @@ impl WeightLayout {
                     o: Some(LinearWeights::new(wo, bo, full_name(&c_proj, "weight"))),
                 })
             }
+            WeightLayout::DistilBert => Ok(Projections {
+                q: lin(&vb.pp("q_lin"), q_out, hidden, bias)?,
+                k: lin(&vb.pp("k_lin"), k_out, hidden, bias)?,
+                v: lin(&vb.pp("v_lin"), v_out, hidden, bias)?,
+                o: Some(lin(
+                    &vb.pp("out_lin"),
+                    hidden,
+                    s.map_or(0, |z| z.heads * z.v_head_dim),
+                    bias,
+                )?),
+            }),
             WeightLayout::Llama => Ok(Projections {
                 q: lin(&vb.pp("q_proj"), q_out, hidden, bias)?,
                 k: lin(&vb.pp("k_proj"), k_out, hidden, bias)?,
@@ -306,7 +323,7 @@ impl FromStr for WeightLayout {
             .find(|l| l.name() == norm)
             .ok_or_else(|| {
                 Error::config(format!(
-                    "unknown layout `{s}`; expected one of bert, torch-mha, gpt2, llama, single"
+                    "unknown layout `{s}`; expected one of bert, distilbert, torch-mha, gpt2, llama, single"
                 ))
             })
     }

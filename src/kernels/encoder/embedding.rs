@@ -58,15 +58,17 @@ pub(crate) struct EmbeddingTables<'a> {
 }
 
 /// `LN(word[id] + type[tt] + position[p])` for every token (sums in that order, as
-/// `(words + types) + positions`), positions `0..seq` in every sequence.
+/// `(words + types) + positions`), each token's position id given (`0..seq` for BERT,
+/// counted from past the padding id for RoBERTa).
 ///
 /// # Shapes
-/// - `ids`, `types`: `(batch * seq,)` row-major `(batch, seq)`; returns `(batch * seq, hidden)`
+/// - `ids`, `types`, `positions`: `(batch * seq,)` row-major `(batch, seq)`; returns
+///   `(batch * seq, hidden)`
 pub(crate) fn embed_tokens(
     tables: &EmbeddingTables<'_>,
     ids: &[u32],
     types: &[u32],
-    seq: usize,
+    positions: &[u32],
 ) -> Result<Vec<f32>> {
     let d = tables.gamma.len();
     if d == 0
@@ -92,19 +94,16 @@ pub(crate) fn embed_tokens(
         tables.token_type.len() / d,
         tables.position.len() / d,
     );
-    if ids.len() != types.len() || seq == 0 || ids.len() % seq != 0 {
+    if ids.len() != types.len() || ids.len() != positions.len() {
         return Err(Error::input(
-            "token_type_ids",
-            format!(
-                "as many as input_ids ({}), a multiple of seq {seq}",
-                ids.len()
-            ),
-            format!("{}", types.len()),
+            "token_type_ids and position ids",
+            format!("as many as input_ids ({})", ids.len()),
+            format!("{} and {}", types.len(), positions.len()),
         ));
     }
-    if seq > n_pos {
+    if let Some(&p) = positions.iter().find(|&&p| p as usize >= n_pos) {
         return Err(Error::SequenceTooLong {
-            len: seq,
+            len: p as usize + 1,
             max: n_pos,
         });
     }
@@ -128,7 +127,7 @@ pub(crate) fn embed_tokens(
         .try_for_each(|(task, chunk)| {
             for (j, row) in chunk.chunks_exact_mut(d).enumerate() {
                 let i = task * TOKENS_PER_TASK + j;
-                let (id, tt, p) = (ids[i] as usize, types[i] as usize, i % seq);
+                let (id, tt, p) = (ids[i] as usize, types[i] as usize, positions[i] as usize);
                 tables.word.row_into(id, row);
                 let ty = &tables.token_type[tt * d..(tt + 1) * d];
                 for (o, t) in row.iter_mut().zip(ty) {
@@ -211,9 +210,14 @@ mod tests {
         let seq = 7;
         let ids: Vec<u32> = (0..40 * seq).map(|i| (i * 13 % vocab) as u32).collect();
         let types: Vec<u32> = (0..40 * seq).map(|i| (i % 3 == 0) as u32).collect();
-        let got = embed_tokens(&tables, &ids, &types, seq)?;
+        // Any position ids, not only 0..seq (RoBERTa counts from past its padding id).
+        let n_pos = pos.len() / d;
+        let positions: Vec<u32> = (0..40 * seq)
+            .map(|i| ((i * 5 + 3) % n_pos) as u32)
+            .collect();
+        let got = embed_tokens(&tables, &ids, &types, &positions)?;
         for i in 0..ids.len() {
-            let (id, tt, p) = (ids[i] as usize, types[i] as usize, i % seq);
+            let (id, tt, p) = (ids[i] as usize, types[i] as usize, positions[i] as usize);
             let s: Vec<f64> = (0..d)
                 .map(|j| (word[id * d + j] + ty[tt * d + j] + pos[p * d + j]) as f64)
                 .collect();
@@ -225,13 +229,14 @@ mod tests {
                 assert!(e < 1e-5 * (1.0 + want.abs()), "token {i} [{j}]: {e}");
             }
         }
-        assert!(embed_tokens(&tables, &[vocab as u32], &[0], 1).is_err());
-        assert!(embed_tokens(&tables, &[0], &[n_types as u32], 1).is_err());
+        assert!(embed_tokens(&tables, &[vocab as u32], &[0], &[0]).is_err());
+        assert!(embed_tokens(&tables, &[0], &[n_types as u32], &[0]).is_err());
+        let ten: Vec<u32> = (0..10).collect();
         assert!(matches!(
-            embed_tokens(&tables, &[0; 10], &[0; 10], 10),
+            embed_tokens(&tables, &[0; 10], &[0; 10], &ten),
             Err(Error::SequenceTooLong { len: 10, max: 9 })
         ));
-        assert!(embed_tokens(&tables, &[0; 4], &[0; 3], 2).is_err());
+        assert!(embed_tokens(&tables, &[0; 4], &[0; 3], &[0, 1, 0, 1]).is_err());
         Ok(())
     }
 }

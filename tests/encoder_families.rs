@@ -1,0 +1,262 @@
+//! RoBERTa, XLM-RoBERTa and DistilBERT load from a directory as transformers saves them and
+//! reproduce transformers' eager attentions (within 1e-5) and hidden states, alone and in a
+//! padded batch; their checkpoints' math-changing fields and stray tensors are refused.
+//! Fixtures: `scripts/gen_encoder_family_fixtures.py` (tests/fixtures/encoders/).
+
+mod common;
+
+use std::path::{Path, PathBuf};
+
+use candle_attention::{Checkpoint, Model, ModelResolver};
+use candle_core::{DType, Device, IndexOp, Tensor};
+use common::{assert_close, repo_path, TempDir};
+
+const CASES: [&str; 3] = ["roberta", "xlm_roberta", "distilbert"];
+
+fn case_dir(case: &str) -> PathBuf {
+    repo_path(&format!("tests/fixtures/encoders/{case}"))
+}
+
+fn load(dir: &Path) -> anyhow::Result<Model> {
+    let files = ModelResolver::new().resolve(Some(&dir.display().to_string()))?;
+    Ok(Model::load(files, DType::F32, &Device::Cpu, false)?)
+}
+
+struct Expected {
+    ckpt: Checkpoint,
+    sentences: Vec<String>,
+}
+
+impl Expected {
+    fn open(case: &str) -> anyhow::Result<Self> {
+        let dir = case_dir(case);
+        let meta: serde_json::Value =
+            serde_json::from_str(&std::fs::read_to_string(dir.join("expected.json"))?)?;
+        let sentences = meta["sentences"]
+            .as_array()
+            .ok_or_else(|| anyhow::anyhow!("no sentences"))?
+            .iter()
+            .filter_map(|s| s.as_str().map(str::to_string))
+            .collect();
+        Ok(Self {
+            ckpt: Checkpoint::open(dir.join("expected.safetensors"))?,
+            sentences,
+        })
+    }
+
+    fn tensor(&self, name: &str) -> anyhow::Result<Tensor> {
+        Ok(self.ckpt.tensor(name, &Device::Cpu)?)
+    }
+}
+
+#[test]
+fn each_sentence_matches_transformers() -> anyhow::Result<()> {
+    for case in CASES {
+        let model = load(&case_dir(case))?;
+        let fx = Expected::open(case)?;
+        assert!(fx.sentences.len() >= 3);
+        for (i, text) in fx.sentences.iter().enumerate() {
+            let batch = model.text.encode_batch(&[text.as_str()], &Device::Cpu)?;
+            let ids: Vec<i64> = batch.input_ids.to_dtype(DType::I64)?.i(0)?.to_vec1()?;
+            let want: Vec<i64> = fx.tensor(&format!("{i}.input_ids"))?.i(0)?.to_vec1()?;
+            assert_eq!(ids, want, "{case}: tokens of {text:?}");
+            let out = model.encoder.forward(
+                &batch.input_ids,
+                Some(&batch.token_type_ids),
+                Some(&batch.attention_mask),
+                true,
+            )?;
+            let attentions = out
+                .attentions
+                .ok_or_else(|| anyhow::anyhow!("no weights"))?;
+            let stacked = Tensor::stack(&attentions, 0)?.squeeze(1)?; // (layers, heads, seq, seq)
+            let what = format!("{case} sentence {i}");
+            let want = fx.tensor(&format!("{i}.attentions"))?;
+            assert_close(&stacked, &want, 1e-5, &format!("{what} attentions"))?;
+            let hidden = fx.tensor(&format!("{i}.last_hidden_state"))?;
+            assert_close(&out.hidden_states, &hidden, 1e-4, &format!("{what} hidden"))?;
+        }
+    }
+    Ok(())
+}
+
+/// Right-padded batches: RoBERTa's padding tokens take position `pad_token_id` and the real
+/// tokens' positions do not move; every real query row equals transformers' batch.
+#[test]
+fn padded_batch_matches_transformers() -> anyhow::Result<()> {
+    for case in CASES {
+        let model = load(&case_dir(case))?;
+        let fx = Expected::open(case)?;
+        let texts: Vec<&str> = fx.sentences.iter().map(String::as_str).collect();
+        let batch = model.text.encode_batch(&texts, &Device::Cpu)?;
+        let want_ids = fx.tensor("batch.input_ids")?;
+        assert_eq!(
+            batch.input_ids.to_dtype(DType::I64)?.to_vec2::<i64>()?,
+            want_ids.to_vec2::<i64>()?,
+            "{case}: padded ids"
+        );
+        let out = model.encoder.forward(
+            &batch.input_ids,
+            Some(&batch.token_type_ids),
+            Some(&batch.attention_mask),
+            true,
+        )?;
+        let got = Tensor::stack(&out.attentions.unwrap_or_default(), 0)?; // (l, b, h, t, t)
+        let want = fx.tensor("batch.attentions")?;
+        let mask: Vec<Vec<i64>> = fx.tensor("batch.attention_mask")?.to_vec2()?;
+        for (s, row) in mask.iter().enumerate() {
+            let real = row.iter().filter(|&&m| m == 1).count();
+            let pick = |t: &Tensor| -> anyhow::Result<Tensor> {
+                Ok(t.i((.., s))?.narrow(2, 0, real)?.narrow(3, 0, real)?)
+            };
+            assert_close(
+                &pick(&got)?,
+                &pick(&want)?,
+                1e-5,
+                &format!("{case} batch row {s}"),
+            )?;
+        }
+    }
+    Ok(())
+}
+
+/// A copy of a case's directory with its config edited (and optionally extra tensors).
+fn edited_copy(
+    case: &str,
+    edit: impl FnOnce(&mut serde_json::Value),
+    extra_tensor: Option<&str>,
+) -> anyhow::Result<TempDir> {
+    let dir = TempDir::new(&format!("{case}-edited"))?;
+    for file in ["tokenizer.json", "config.json", "model.safetensors"] {
+        std::fs::copy(case_dir(case).join(file), dir.0.join(file))?;
+    }
+    let mut cfg: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(dir.0.join("config.json"))?)?;
+    edit(&mut cfg);
+    std::fs::write(dir.0.join("config.json"), cfg.to_string())?;
+    if let Some(name) = extra_tensor {
+        let ckpt = Checkpoint::open(case_dir(case).join("model.safetensors"))?;
+        let mut tensors: Vec<(String, Tensor)> = ckpt
+            .names()
+            .map(|n| Ok((n.to_string(), ckpt.tensor(n, &Device::Cpu)?)))
+            .collect::<anyhow::Result<_>>()?;
+        tensors.push((
+            name.to_string(),
+            Tensor::zeros(4, DType::F32, &Device::Cpu)?,
+        ));
+        candle_core::safetensors::save(
+            &tensors.into_iter().collect(),
+            dir.0.join("model.safetensors"),
+        )?;
+    }
+    Ok(dir)
+}
+
+/// A field that changes the math to a value the crate does not implement is refused with
+/// its name, for each family; so is a tensor the encoder would not read.
+#[test]
+fn unsupported_fields_and_stray_tensors_are_refused() -> anyhow::Result<()> {
+    let cases: [(&str, &str, serde_json::Value, &str); 5] = [
+        (
+            "roberta",
+            "position_embedding_type",
+            "relative_key".into(),
+            "position_embedding_type",
+        ),
+        (
+            "roberta",
+            "pad_token_id",
+            serde_json::Value::Null,
+            "pad_token_id",
+        ),
+        ("xlm_roberta", "is_decoder", true.into(), "is_decoder"),
+        (
+            "distilbert",
+            "activation",
+            "gelu_erf_approx".into(),
+            "gelu_erf_approx",
+        ),
+        ("distilbert", "model_type", "albert".into(), "albert"),
+    ];
+    for (case, field, value, named) in cases {
+        let dir = edited_copy(case, |cfg| cfg[field] = value.clone(), None)?;
+        let err = match load(&dir.0) {
+            Ok(_) => anyhow::bail!("{case}: {field} = {value} was accepted"),
+            Err(e) => e.to_string(),
+        };
+        assert!(err.contains(named), "{case} {field}: {err}");
+    }
+    for (case, stray) in [
+        (
+            "roberta",
+            "encoder.layer.0.attention.self.distance_embedding.weight",
+        ),
+        ("distilbert", "transformer.layer.2.ffn.lin1.bias"),
+    ] {
+        let dir = edited_copy(case, |_| {}, Some(stray))?;
+        let err = match load(&dir.0) {
+            Ok(_) => anyhow::bail!("{case}: a stray {stray} was accepted"),
+            Err(e) => e.to_string(),
+        };
+        assert!(err.contains(stray), "{case}: {err}");
+    }
+    Ok(())
+}
+
+/// RoBERTa's longest input is its position table less `pad_token_id + 1` rows.
+#[test]
+fn roberta_max_positions_leave_out_the_padding_offset() -> anyhow::Result<()> {
+    let model = load(&case_dir("roberta"))?;
+    assert_eq!(model.encoder.max_positions(), 66 - 2);
+    let distil = load(&case_dir("distilbert"))?;
+    assert_eq!(distil.encoder.max_positions(), 64);
+    Ok(())
+}
+
+/// `attention_dump --model DIR --format json` on each family: the JSON's attentions over the
+/// model's own tokens equal transformers' (the contract the CLI keeps for every family).
+#[test]
+fn attention_dump_json_matches_transformers() -> anyhow::Result<()> {
+    let bin = common::example_bin("attention_dump")?;
+    for case in CASES {
+        let fx = Expected::open(case)?;
+        let out = std::process::Command::new(&bin)
+            .arg("--model")
+            .arg(case_dir(case))
+            .args(["--format", "json"])
+            .args(&fx.sentences)
+            .output()?;
+        anyhow::ensure!(
+            out.status.success(),
+            "{case}: {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        let lines: Vec<serde_json::Value> = String::from_utf8(out.stdout)?
+            .lines()
+            .map(serde_json::from_str)
+            .collect::<Result<_, _>>()?;
+        assert_eq!(
+            lines.len(),
+            fx.sentences.len(),
+            "{case}: one line per sentence"
+        );
+        for (i, line) in lines.iter().enumerate() {
+            let want = fx.tensor(&format!("{i}.attentions"))?;
+            let (l, h, t, _) = want.dims4()?;
+            assert_eq!(line["shape"], serde_json::json!([l, h, t, t]), "{case} {i}");
+            assert_eq!(line["tokens"].as_array().map(Vec::len), Some(t));
+            let flat: Vec<f32> = line["attentions"]
+                .as_array()
+                .into_iter()
+                .flatten()
+                .flat_map(|a| a.as_array().into_iter().flatten())
+                .flat_map(|a| a.as_array().into_iter().flatten())
+                .flat_map(|a| a.as_array().into_iter().flatten())
+                .filter_map(|v| v.as_f64().map(|v| v as f32))
+                .collect();
+            let got = Tensor::from_vec(flat, (l, h, t, t), &Device::Cpu)?;
+            assert_close(&got, &want, 1e-5, &format!("{case} dump {i}"))?;
+        }
+    }
+    Ok(())
+}
