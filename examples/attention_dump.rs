@@ -543,7 +543,7 @@ impl Network {
         }
         let cfg = LlamaConfig::from_file(&files.config)?;
         let ckpt = Checkpoint::open_many(&files.weights)?;
-        let model = LlamaModel::load(ckpt.var_builder(dtype, device), &cfg)?;
+        let model = LlamaModel::from_checkpoint(&ckpt, &cfg, dtype, device)?;
         let mut text = TextEncoder::from_file(&files.tokenizer)?;
         if let Some(p) = cfg.max_position_embeddings {
             text = text.with_max_positions(p)?.with_truncation(truncate)?;

@@ -406,6 +406,11 @@ Regenerate with `.venv/bin/python scripts/gen_decoder_fixtures.py`.
 Mistral's window follows transformers: query position q attends key positions
 q - sliding_window + 1 ..= q (sliding_window keys, itself included).
 """
+    # Keep the section scripts/gen_decoder_family_fixtures.py writes between its markers.
+    old = (OUT / "README.md").read_text() if (OUT / "README.md").exists() else ""
+    begin = old.find("<!-- begin: scripts/gen_decoder_family_fixtures.py")
+    if begin >= 0:
+        text = text.rstrip("\n") + "\n\n" + old[begin:]
     (OUT / "README.md").write_text(text)
 
 
@@ -415,8 +420,10 @@ def main():
     results = [gen_case(c) for c in CASES]
     write_readme(results)
     total = 0
+    own = {c["name"] for c in CASES}
     for p in sorted(OUT.rglob("*")):
-        if p.is_file():
+        # This script's cases only (the family cases are another script's).
+        if p.is_file() and (p.parent == OUT or p.parent.name in own):
             total += p.stat().st_size
             print(f"{str(p.relative_to(OUT)):40} {p.stat().st_size:>9}")
     print(f"{'total':40} {total:>9}")

@@ -145,11 +145,12 @@ pub use kernels::attend::WeightsBlock;
 pub use kernels::decode::quant_gemv::{int8_activations, set_int8_activations};
 pub use kernels::quant::blocks::QuantType;
 pub use memory::{attention_weights_bytes, available_memory_bytes, retain_freed_memory};
-pub use models::architecture::{Architecture, DECODER_MODEL_TYPES};
+pub use models::architecture::Architecture;
 pub use models::batching::{into_length_sorted_batches, length_sorted_batches, padding_tokens};
 pub use models::bert::{
     l2_normalize, mean_pool, Activation, BertEncoder, BertLayer, EncoderOutput,
 };
+pub use models::decoder_family::{DecoderFamily, WindowRule};
 pub use models::embedder::Embedder;
 pub use models::encoder_family::{EncoderFamily, PositionIds};
 pub use models::kv_cache::KvCache;

@@ -7,6 +7,7 @@ pub(crate) mod architecture;
 pub(crate) mod batching;
 pub(crate) mod bert;
 pub(crate) mod decode_step;
+pub(crate) mod decoder_family;
 pub(crate) mod embedder;
 pub(crate) mod encoder_family;
 pub(crate) mod kv_cache;

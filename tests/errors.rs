@@ -646,5 +646,11 @@ fn missing_config_file_is_io_error() -> anyhow::Result<()> {
 fn unknown_layout_name_is_config_error() {
     let err = expect_err("t5".parse::<WeightLayout>(), "layout t5");
     assert!(matches!(err, Error::Config { .. }), "{err:?}");
-    assert_mentions(&err, &["t5", "bert, torch-mha, gpt2, llama, single"]);
+    assert_mentions(
+        &err,
+        &[
+            "t5",
+            "bert, distilbert, torch-mha, gpt2, llama, phi3, single",
+        ],
+    );
 }

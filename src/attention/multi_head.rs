@@ -401,6 +401,11 @@ impl MultiHeadSelfAttention {
         }
     }
 
+    /// The configured score scale (`None`: `1 / sqrt(head_dim)`).
+    pub(crate) fn scale(&self) -> Option<f64> {
+        self.scale
+    }
+
     /// The score scale: the configured one or `1 / sqrt(head_dim)`.
     fn scale_or_default(&self) -> f64 {
         self.scale

@@ -6,18 +6,17 @@
 use std::path::Path;
 
 use crate::error::{Error, Result};
+use crate::models::decoder_family::decoder_model_types;
 use crate::models::encoder_family::{supported_model_types, EncoderFamily};
 use crate::weights::config::read_config_file;
-
-/// The decoders' `model_type`s ([`crate::LlamaModel`]).
-pub const DECODER_MODEL_TYPES: &[&str] = &["llama", "mistral", "qwen2"];
 
 /// What a `config.json` describes.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Architecture {
     /// A post-norm encoder ([`crate::BertEncoder`]).
     Encoder(&'static EncoderFamily),
-    /// A LLaMA-family decoder ([`crate::LlamaModel`]).
+    /// A rotary pre-norm decoder ([`crate::LlamaModel`]: LLaMA, Mistral, Qwen2, Qwen3,
+    /// Gemma 3, Phi-3).
     Decoder,
 }
 
@@ -28,12 +27,12 @@ impl Architecture {
             return Ok(Self::Encoder(family));
         }
         match model_type {
-            Some(t) if DECODER_MODEL_TYPES.contains(&t) => Ok(Self::Decoder),
+            Some(t) if decoder_model_types().contains(&t) => Ok(Self::Decoder),
             other => Err(Error::config(format!(
                 "model_type `{}` is not supported; supported: encoders {}; decoders {}",
                 other.unwrap_or("bert"),
                 supported_model_types(),
-                DECODER_MODEL_TYPES.join(", ")
+                decoder_model_types().join(", ")
             ))),
         }
     }

@@ -53,7 +53,7 @@ impl Activation {
         }
     }
 
-    fn apply(&self, xs: &Tensor) -> Result<Tensor> {
+    pub(crate) fn apply(&self, xs: &Tensor) -> Result<Tensor> {
         Ok(match self {
             Self::Gelu => xs.gelu_erf()?,
             Self::GeluTanh => xs.gelu()?,

@@ -1,8 +1,10 @@
-//! A LLaMA-family decoder (LLaMA, Mistral, Qwen2) on this crate's attention: token
-//! embeddings, per layer RMSNorm, attention with rotary embeddings and a KV cache, RMSNorm,
-//! SwiGLU MLP, then a final RMSNorm and the language-model head (tied to the embeddings or
-//! separate). Loads `config.json` and `model.safetensors` with the Hugging Face names
-//! (`model.layers.N.self_attn.q_proj.weight`, ...).
+//! A rotary pre-norm decoder (LLaMA, Mistral, Qwen2, Qwen3, Gemma 3, Phi-3) on this crate's
+//! attention: token embeddings, per layer RMSNorm, attention with rotary embeddings and a KV
+//! cache, RMSNorm, gated MLP, then a final RMSNorm and the language-model head (tied to the
+//! embeddings or separate). What the families add (q/k norms, `(1 + w)` norms around both
+//! halves, scaled embeddings, fused projections, per-layer windows and rotary bases) is
+//! described by [`DecoderFamily`]. Loads `config.json` and `model.safetensors` with the
+//! Hugging Face names (`model.layers.N.self_attn.q_proj.weight`, ...).
 
 use std::path::Path;
 
@@ -22,8 +24,9 @@ use crate::kernels::decode::widen;
 use crate::kernels::pool::in_pool;
 use crate::kernels::residual;
 use crate::kernels::rms_norm::rms_norm;
-use crate::models::architecture::DECODER_MODEL_TYPES;
+use crate::models::bert::Activation;
 use crate::models::decode_step::{DecodeStep, StepAttention};
+use crate::models::decoder_family::{DecoderFamily, WindowRule};
 use crate::models::kv_cache::KvCache;
 use crate::models::rope::{RopeConfig, RopeLayout, RopeScaling, RotaryEmbedding};
 use crate::models::trace::{graph_input, probe, ForwardTrace, TraceOptions};
@@ -57,12 +60,20 @@ fn default_act() -> String {
     "silu".to_string()
 }
 
-/// The decoder fields of a Hugging Face `config.json` (LLaMA, Mistral, Qwen2 names).
+fn llama_family() -> &'static DecoderFamily {
+    &DecoderFamily::LLAMA
+}
+
+/// The decoder fields of a Hugging Face `config.json` (LLaMA, Mistral, Qwen2, Qwen3,
+/// Gemma 3 text, Phi-3 names).
 #[derive(Debug, Clone, Deserialize)]
 pub struct LlamaConfig {
-    /// `llama`, `mistral` or `qwen2`.
+    /// `llama`, `mistral`, `qwen2`, `qwen3`, `gemma3_text` or `phi3`.
     #[serde(default)]
     pub model_type: Option<String>,
+    /// What the family's layers have beside LLaMA's (from `model_type`).
+    #[serde(skip, default = "llama_family")]
+    pub family: &'static DecoderFamily,
     /// Width of the residual stream.
     pub hidden_size: usize,
     /// Width of the MLP's gate and up projections.
@@ -94,6 +105,15 @@ pub struct LlamaConfig {
     /// Qwen2: the first layer index the sliding window applies to.
     #[serde(default)]
     pub max_window_layers: Option<usize>,
+    /// Gemma 3: `full_attention` or `sliding_attention` per layer.
+    #[serde(default)]
+    pub layer_types: Option<Vec<String>>,
+    /// Gemma 3 without `layer_types`: every `sliding_window_pattern`-th layer is global.
+    #[serde(default)]
+    pub sliding_window_pattern: Option<usize>,
+    /// Gemma: the attention scale is `query_pre_attn_scalar^-1/2` (not `head_dim^-1/2`).
+    #[serde(default)]
+    pub query_pre_attn_scalar: Option<f64>,
     /// Longest context the model was trained for.
     #[serde(default)]
     pub max_position_embeddings: Option<usize>,
@@ -113,9 +133,13 @@ pub struct LlamaConfig {
     #[serde(default = "default_act")]
     pub hidden_act: String,
     /// The rotary configuration (from `rope_theta` / `rope_scaling` / `rope_parameters`,
-    /// `head_dim`, `partial_rotary_factor`).
+    /// `head_dim`, `partial_rotary_factor`); Gemma 3's global layers'.
     #[serde(skip_deserializing, default = "RopeConfig::placeholder")]
     pub rope: RopeConfig,
+    /// Gemma 3's sliding layers' rotation (`rope_parameters.sliding_attention`, or
+    /// `rope_local_base_freq`); `None`: every layer uses [`LlamaConfig::rope`].
+    #[serde(skip)]
+    pub rope_local: Option<RopeConfig>,
 }
 
 impl LlamaConfig {
@@ -144,26 +168,15 @@ impl LlamaConfig {
         Self::from_value(raw)
     }
 
-    fn from_value(raw: Value) -> Result<Self> {
+    fn from_value(mut raw: Value) -> Result<Self> {
         // The family first: another family's config lacks (or renames) LLaMA's fields.
-        let kind = raw
-            .get("model_type")
-            .and_then(Value::as_str)
-            .unwrap_or("llama");
-        if !DECODER_MODEL_TYPES.contains(&kind) {
-            return Err(Error::config(format!(
-                "model_type `{kind}` is not a LLaMA-family decoder ({})",
-                DECODER_MODEL_TYPES.join(", ")
-            )));
-        }
+        let kind = raw.get("model_type").and_then(Value::as_str);
+        let family = DecoderFamily::of_model_type(kind)?;
+        family.normalize_config(&mut raw);
         let mut cfg: Self =
             serde_json::from_value(raw.clone()).map_err(|e| Error::config(e.to_string()))?;
-        if cfg.hidden_act != "silu" {
-            return Err(Error::config(format!(
-                "hidden_act `{}` is not supported (silu)",
-                cfg.hidden_act
-            )));
-        }
+        cfg.family = family;
+        family.check_config(&raw, &cfg.hidden_act)?;
         for (name, v) in [
             ("hidden_size", cfg.hidden_size),
             ("num_attention_heads", cfg.num_attention_heads),
@@ -175,8 +188,63 @@ impl LlamaConfig {
                 return Err(Error::config(format!("`{name}` must be at least 1")));
             }
         }
-        cfg.rope = RopeConfig::from_hf_json(&raw, RopeLayout::Half)?;
+        if family.window == WindowRule::LayerTypes {
+            let (global, local) = two_bases(&raw)?;
+            cfg.rope = RopeConfig::from_hf_json(&global, RopeLayout::Half)?;
+            cfg.rope_local = Some(RopeConfig::from_hf_json(&local, RopeLayout::Half)?);
+        } else {
+            cfg.rope = RopeConfig::from_hf_json(&raw, RopeLayout::Half)?;
+        }
+        if let Some(types) = &cfg.layer_types {
+            if types.len() != cfg.num_hidden_layers {
+                return Err(Error::config(format!(
+                    "`layer_types` has {} entries for {} layers",
+                    types.len(),
+                    cfg.num_hidden_layers
+                )));
+            }
+        }
+        if cfg
+            .query_pre_attn_scalar
+            .is_some_and(|s| !(s.is_finite() && s > 0.0))
+        {
+            return Err(Error::config("`query_pre_attn_scalar` must be positive"));
+        }
         Ok(cfg)
+    }
+
+    /// The MLP's activation.
+    pub(crate) fn activation(&self) -> Result<Activation> {
+        Activation::from_name(&self.hidden_act)
+    }
+
+    /// The multiplier of `Q K^T` where it is not `head_dim^-1/2` (Gemma's
+    /// `query_pre_attn_scalar^-1/2`, 256 by default).
+    pub fn attention_scale(&self) -> Option<f64> {
+        match self.family.window {
+            WindowRule::LayerTypes => Some(self.query_pre_attn_scalar.unwrap_or(256.0).powf(-0.5)),
+            _ => self.query_pre_attn_scalar.map(|s| s.powf(-0.5)),
+        }
+    }
+
+    /// Whether layer `i` is one of Gemma 3's sliding layers (which rotate with
+    /// [`LlamaConfig::rope_local`]).
+    fn is_sliding_layer(&self, i: usize) -> bool {
+        match &self.layer_types {
+            Some(types) => types.get(i).is_some_and(|t| t == "sliding_attention"),
+            None => {
+                let pattern = self.sliding_window_pattern.unwrap_or(6).max(1);
+                (i + 1) % pattern != 0
+            }
+        }
+    }
+
+    /// The rotation of layer `i`.
+    pub fn rope_of(&self, i: usize) -> &RopeConfig {
+        match &self.rope_local {
+            Some(local) if self.is_sliding_layer(i) => local,
+            _ => &self.rope,
+        }
     }
 
     /// The ids that end a generation, ascending: `generation_end_ids` where the files name
@@ -216,17 +284,62 @@ impl LlamaConfig {
 
     /// The sliding window of layer `i`, if it has one.
     pub fn window_of(&self, i: usize) -> Option<usize> {
-        match self.model_type.as_deref() {
-            Some("qwen2") => {
+        match self.family.window {
+            WindowRule::FromMaxWindowLayers => {
                 let from = self.max_window_layers.unwrap_or(0);
                 (self.use_sliding_window && i >= from)
                     .then_some(self.sliding_window)
                     .flatten()
             }
-            Some("mistral") => self.sliding_window,
-            _ => None,
+            WindowRule::Always => self.sliding_window,
+            WindowRule::LayerTypes => self
+                .is_sliding_layer(i)
+                .then_some(self.sliding_window)
+                .flatten(),
+            WindowRule::Never => None,
         }
     }
+}
+
+/// Gemma 3's two rotations as two configs of the usual form: `rope_parameters` keyed by layer
+/// type (transformers 5), or `rope_theta` (global, default 1e6, with `rope_scaling`) and
+/// `rope_local_base_freq` (sliding, default 1e4, unscaled).
+fn two_bases(raw: &Value) -> Result<(Value, Value)> {
+    let with = |params: Option<Value>, theta: Option<f64>, keep_scaling: bool| {
+        let mut v = raw.clone();
+        if let Some(obj) = v.as_object_mut() {
+            obj.remove("rope_parameters");
+            if !keep_scaling {
+                obj.remove("rope_scaling");
+            }
+            if let Some(p) = params {
+                obj.insert("rope_parameters".into(), p);
+            }
+            if let Some(t) = theta {
+                obj.insert("rope_theta".into(), t.into());
+            }
+        }
+        v
+    };
+    let by_type = raw
+        .get("rope_parameters")
+        .filter(|p| p.get("full_attention").is_some());
+    if let Some(p) = by_type {
+        let part = |key: &str| {
+            p.get(key)
+                .cloned()
+                .ok_or_else(|| Error::config(format!("`rope_parameters` has no `{key}` entry")))
+        };
+        return Ok((
+            with(Some(part("full_attention")?), None, false),
+            with(Some(part("sliding_attention")?), None, false),
+        ));
+    }
+    let theta = |key: &str, default: f64| raw.get(key).and_then(Value::as_f64).unwrap_or(default);
+    Ok((
+        with(None, Some(theta("rope_theta", 1e6)), true),
+        with(None, Some(theta("rope_local_base_freq", 1e4)), false),
+    ))
 }
 
 impl RopeConfig {
@@ -454,28 +567,52 @@ fn stacked_attention_inputs(
 /// read with its full shape.
 fn attention_config(cfg: &LlamaConfig) -> AttentionConfig {
     let heads = cfg.num_attention_heads;
-    AttentionConfig::new(WeightLayout::Llama, heads)
+    let layout = match cfg.family.fused_projections {
+        true => WeightLayout::Phi3,
+        false => WeightLayout::Llama,
+    };
+    let mut acfg = AttentionConfig::new(layout, heads)
         .with_kv_heads(cfg.num_key_value_heads.unwrap_or(heads))
         .with_causal(true)
         .with_hidden_size(cfg.hidden_size)
-        .with_head_dim(cfg.rope.head_dim)
+        .with_head_dim(cfg.rope.head_dim);
+    acfg.scale = cfg.attention_scale();
+    acfg
 }
 
-/// `down(silu(gate(x)) * up(x))`.
+/// `down(act(gate(x)) * up(x))`: SiLU (SwiGLU) or GELU (GeGLU).
 #[derive(Debug, Clone)]
 struct Mlp {
     gate: Proj,
     up: Proj,
     down: Proj,
+    activation: Activation,
 }
 
 impl Mlp {
     fn load(vb: VarBuilder, cfg: &LlamaConfig, quant: Option<&GgufFile>) -> Result<Self> {
         let (d, i) = (cfg.hidden_size, cfg.intermediate_size);
+        let (gate, up) = if cfg.family.fused_projections {
+            // Phi-3's `gate_up_proj` (2 inter, hidden): the gate's rows, then the up's.
+            let w = vb.pp("gate_up_proj").get((2 * i, d), "weight")?;
+            let half = |from: usize| -> Result<Proj> {
+                Ok(Proj::Dense(Linear::new(
+                    w.narrow(0, from, i)?.contiguous()?,
+                    None,
+                )))
+            };
+            (half(0)?, half(i)?)
+        } else {
+            (
+                Proj::load(&vb.pp("gate_proj"), d, i, quant)?,
+                Proj::load(&vb.pp("up_proj"), d, i, quant)?,
+            )
+        };
         Ok(Self {
-            gate: Proj::load(&vb.pp("gate_proj"), d, i, quant)?,
-            up: Proj::load(&vb.pp("up_proj"), d, i, quant)?,
+            gate,
+            up,
             down: Proj::load(&vb.pp("down_proj"), i, d, quant)?,
+            activation: cfg.activation()?,
         })
     }
 
@@ -490,6 +627,10 @@ impl Mlp {
     }
 
     fn forward(&self, x: &Tensor) -> Result<Tensor> {
+        if self.activation != Activation::Silu {
+            let g = self.activation.apply(&self.gate.forward(x)?)?;
+            return self.down.forward(&(g * self.up.forward(x)?)?);
+        }
         // A decode step on dense weights: both halves in one pass over the threads.
         if let (Proj::Dense(gate), Proj::Dense(up)) = (&self.gate, &self.up) {
             let (g, u) = ((gate.weight(), gate.bias()), (up.weight(), up.bias()));
@@ -523,9 +664,16 @@ fn window_mask(t: usize, offset: usize, w: usize, device: &Device) -> Result<Att
 struct DecoderLayer {
     input_norm: RmsNorm,
     attn: MultiHeadSelfAttention,
+    /// Per-head norms of the queries and keys before the rotation (Qwen3, Gemma 3).
+    qk_norms: Option<(RmsNorm, RmsNorm)>,
+    /// Norms of the attention's and the MLP's outputs before their residual adds (Gemma).
+    out_norms: Option<(RmsNorm, RmsNorm)>,
+    /// The MLP's input norm.
     post_norm: RmsNorm,
     mlp: Mlp,
     window: Option<usize>,
+    /// Which of the model's rotations the layer uses (Gemma 3's sliding layers: the local one).
+    rope: usize,
     /// The decode step's weights: a GGUF layer on the CPU (f32 hidden states).
     step: Option<DecodeStep>,
 }
@@ -545,6 +693,7 @@ impl DecoderLayer {
         // The attention runs in its weights' dtype; the rest of the layer in `x`'s.
         let h = rms_norm(&self.input_norm, x)?.to_dtype(self.attn.dtype())?;
         let (q, k, v) = self.attn.project_qkv(&h)?;
+        let (q, k) = self.norm_qk(q, k, false)?;
         let q = rope.apply(&q, offset)?; // (b, h, t, hd)
         let k = rope.apply(&k, offset)?; // (b, kvh, t, hd)
         let (k_all, v_all) = cache.append(&k, &v)?; // (b, kvh, offset + t, hd)
@@ -565,14 +714,38 @@ impl DecoderLayer {
             ),
         };
         let opts = SdpaOptions {
-            scale: None,
+            scale: self.attn.scale(),
             need_weights,
         };
         let out = scaled_dot_product_attention(&q, &k_all, &v_all, mask.as_ref(), opts)?;
         let attn = self.attn.merge_heads(&out.context)?.to_dtype(x.dtype())?; // context (b, h, t, vhd)
+        let attn = match &self.out_norms {
+            Some((after_attn, _)) => rms_norm(after_attn, &attn)?,
+            None => attn,
+        };
         let x = residual::add(x, &attn)?;
         let m = self.mlp.forward(&rms_norm(&self.post_norm, &x)?)?;
+        let m = match &self.out_norms {
+            Some((_, after_mlp)) => rms_norm(after_mlp, &m)?,
+            None => m,
+        };
         Ok((residual::add(&x, &m)?, out.weights))
+    }
+
+    /// The per-head norms of `q` `(b, h, t, hd)` and `k` `(b, kvh, t, hd)`, where the family
+    /// has them (`diff`: in candle's differentiable ops).
+    fn norm_qk(&self, q: Tensor, k: Tensor, diff: bool) -> Result<(Tensor, Tensor)> {
+        let Some((qn, kn)) = &self.qk_norms else {
+            return Ok((q, k));
+        };
+        let norm = |n: &RmsNorm, x: Tensor| -> Result<Tensor> {
+            let x = x.contiguous()?;
+            Ok(match diff {
+                true => n.forward_diff(&x)?,
+                false => rms_norm(n, &x)?,
+            })
+        };
+        Ok((norm(qn, q)?, norm(kn, k)?))
     }
 }
 
@@ -593,19 +766,28 @@ impl DecoderLayer {
             .forward_diff(x)?
             .to_dtype(self.attn.dtype())?;
         let (q, k, v) = self.attn.project_qkv(&h)?;
+        let (q, k) = self.norm_qk(q, k, true)?;
         let (q, k) = (rope.apply(&q, 0)?, rope.apply(&k, 0)?);
         let mask = match self.window {
             Some(w) if t > w => window_mask(t, 0, w, x.device())?,
             _ => AttentionMask::causal(),
         };
-        let scale = 1.0 / (q.dim(3)? as f64).sqrt();
+        let scale = self.attn.score_scale();
         let out = explicit_probed(&q, &k, &v, Some(&mask), scale, true, probe)?;
         let probs = out
             .weights
             .ok_or_else(|| Error::Kernel("the explicit attention returned no weights".into()))?;
         let attn = self.attn.merge_heads(&out.context)?.to_dtype(x.dtype())?;
+        let attn = match &self.out_norms {
+            Some((after_attn, _)) => after_attn.forward_diff(&attn)?,
+            None => attn,
+        };
         let x = (x + attn)?;
         let m = self.mlp.forward(&self.post_norm.forward_diff(&x)?)?;
+        let m = match &self.out_norms {
+            Some((_, after_mlp)) => after_mlp.forward_diff(&m)?,
+            None => m,
+        };
         Ok(((x + m)?, probs, h))
     }
 }
@@ -621,11 +803,14 @@ pub struct LlamaModel {
     /// The dtype of the hidden states: f32 on the CPU, the weights' elsewhere.
     compute: DType,
     embed: Embed,
+    /// The embeddings' multiplier (Gemma's `sqrt(hidden_size)`, rounded to f32).
+    embed_scale: Option<f64>,
     layers: Vec<DecoderLayer>,
     norm: RmsNorm,
     /// `(vocab, hidden)`: the embedding matrix when tied.
     lm_head: Proj,
-    rope: RotaryEmbedding,
+    /// The global rotation, and Gemma 3's local one.
+    ropes: Vec<RotaryEmbedding>,
 }
 
 impl LlamaModel {
@@ -646,13 +831,20 @@ impl LlamaModel {
         } else {
             vb.dtype()
         };
-        let rms = |vb: VarBuilder| -> Result<RmsNorm> {
-            // Ones for a fresh variable, as `candle_nn::rms_norm` makes it.
-            let w = vb
-                .get_with_hints(d, "weight", candle_nn::Init::Const(1.0))?
-                .to_dtype(compute)?;
+        let family = cfg.family;
+        let rms_of = |vb: VarBuilder, n: usize| -> Result<RmsNorm> {
+            // Ones for a fresh variable, as `candle_nn::rms_norm` makes it (Gemma's `1 + w`:
+            // zeros).
+            let init = candle_nn::Init::Const(if family.norm_plus_one { 0.0 } else { 1.0 });
+            let w = vb.get_with_hints(n, "weight", init)?.to_dtype(compute)?;
+            // Gemma scales by `1 + w`, computed in f32 as transformers does.
+            let w = match family.norm_plus_one {
+                true => (w.to_dtype(DType::F32)? + 1.0)?.to_dtype(compute)?,
+                false => w,
+            };
             Ok(RmsNorm::new(w, cfg.rms_norm_eps))
         };
+        let rms = |vb: VarBuilder| rms_of(vb, d);
         let m = vb.pp("model");
         let embed_proj = Proj::load(&m.pp("embed_tokens"), d, cfg.vocab_size, quant)?;
         let embed = match &embed_proj {
@@ -681,25 +873,46 @@ impl LlamaModel {
                     None,
                 ),
             };
-            let (input_norm, post_norm) = (
-                rms(l.pp("input_layernorm"))?,
-                rms(l.pp("post_attention_layernorm"))?,
-            );
+            let input_norm = rms(l.pp("input_layernorm"))?;
+            // Gemma's `post_attention_layernorm` norms the attention's output; the MLP's
+            // input norm is its `pre_feedforward_layernorm`.
+            let (post_norm, out_norms) = match family.sandwich_norms {
+                true => (
+                    rms(l.pp("pre_feedforward_layernorm"))?,
+                    Some((
+                        rms(l.pp("post_attention_layernorm"))?,
+                        rms(l.pp("post_feedforward_layernorm"))?,
+                    )),
+                ),
+                false => (rms(l.pp("post_attention_layernorm"))?, None),
+            };
+            let qk_norms = match family.qk_norm {
+                true => {
+                    let a = l.pp("self_attn");
+                    let hd = cfg.rope.head_dim;
+                    Some((rms_of(a.pp("q_norm"), hd)?, rms_of(a.pp("k_norm"), hd)?))
+                }
+                false => None,
+            };
             let mlp = Mlp::load(l.pp("mlp"), cfg, quant)?;
             // The step is a faster route to the same values: weights it refuses take the
             // tensor path (which reports what does not fit when it runs).
             let step = match (step_attn, mlp.quantized()) {
-                (Some(a), Some(m)) if compute == DType::F32 => {
+                (Some(a), Some(m)) if compute == DType::F32 && family.is_plain() => {
                     DecodeStep::new(&input_norm, &post_norm, a, m).ok()
                 }
                 _ => None,
             };
+            let rope = usize::from(cfg.rope_of(i) != &cfg.rope);
             layers.push(DecoderLayer {
                 input_norm,
                 attn,
+                qk_norms,
+                out_norms,
                 post_norm,
                 mlp,
                 window: cfg.window_of(i),
+                rope,
                 step,
             });
             let head_dim = layers[i].attn.head_dim();
@@ -717,15 +930,27 @@ impl LlamaModel {
             Proj::load(&vb.pp("lm_head"), d, cfg.vocab_size, quant)?
         };
         let positions = cfg.max_position_embeddings.unwrap_or(2048).min(1 << 16);
-        let rope = RotaryEmbedding::new(cfg.rope.clone(), positions, vb.device())?;
+        let mut ropes = vec![RotaryEmbedding::new(
+            cfg.rope.clone(),
+            positions,
+            vb.device(),
+        )?];
+        if let Some(local) = &cfg.rope_local {
+            ropes.push(RotaryEmbedding::new(local.clone(), positions, vb.device())?);
+        }
+        // transformers keeps `sqrt(hidden)` as an f32 tensor (cast to the weights' dtype).
+        let embed_scale = family
+            .embed_scale
+            .then(|| ((d as f64).sqrt() as f32) as f64);
         Ok(Self {
             cfg: cfg.clone(),
             compute,
             embed,
+            embed_scale,
             layers,
             norm,
             lm_head,
-            rope,
+            ropes,
         })
     }
 
@@ -737,7 +962,21 @@ impl LlamaModel {
         let mut cfg = LlamaConfig::from_file(dir.join("config.json"))?;
         cfg.read_generation_config(dir)?;
         let ckpt = crate::Checkpoint::open(dir.join("model.safetensors"))?;
-        Self::load(ckpt.var_builder(dtype, device), &cfg)
+        Self::from_checkpoint(&ckpt, &cfg, dtype, device)
+    }
+
+    /// [`LlamaModel::load`] from a checkpoint, whose every tensor must be one the model reads
+    /// (an error names the others: a checkpoint of another form would give wrong outputs).
+    pub fn from_checkpoint(
+        ckpt: &crate::Checkpoint,
+        cfg: &LlamaConfig,
+        dtype: DType,
+        device: &Device,
+    ) -> Result<Self> {
+        let tied = cfg.tie_word_embeddings && !ckpt.contains("lm_head.weight");
+        cfg.family
+            .check_tensors(ckpt.names(), cfg.num_hidden_layers, tied)?;
+        Self::load(ckpt.var_builder(dtype, device), cfg)
     }
 
     /// Loads a LLaMA-family model (architectures `llama`, `mistral`, `qwen2`) from one GGUF
@@ -760,6 +999,23 @@ impl LlamaModel {
     pub fn from_gguf_file(file: &GgufFile, dtype: DType, device: &Device) -> Result<Self> {
         let raw = gguf_layout::hf_config(file)?;
         let cfg = LlamaConfig::from_gguf(file)?;
+        // Every tensor of the file is one the model reads.
+        let arch = gguf_layout::architecture(file)?;
+        let tied = file.tensor_info("output.weight").is_err();
+        let read: std::collections::BTreeSet<String> = cfg
+            .family
+            .expected_names(cfg.num_hidden_layers, tied)
+            .iter()
+            .filter_map(|n| gguf_layout::gguf_name_in(n, arch))
+            .collect();
+        cfg.family.check_tensors(
+            file.tensors()
+                .iter()
+                .map(|t| t.name.as_str())
+                .filter(|n| !read.contains(*n) && *n != "rope_freqs.weight"),
+            cfg.num_hidden_layers,
+            tied,
+        )?;
         let weights = gguf_layout::GgufLlamaWeights::new(file.clone(), &raw)?;
         let vb = VarBuilder::from_backend(Box::new(weights), dtype, device.clone());
         Self::load_from(vb, &cfg, Some(file))
@@ -844,7 +1100,7 @@ impl LlamaModel {
                 "an empty sequence",
             ));
         }
-        let mut x = self.embed.forward(ids)?.to_dtype(self.compute)?; // (b, t, hidden)
+        let mut x = self.embed_tokens(ids)?; // (b, t, hidden)
         if !weights {
             if let Some(out) = self.decode_step(&x, caches)? {
                 return Ok((rms_norm(&self.norm, &out)?, Vec::new()));
@@ -852,7 +1108,7 @@ impl LlamaModel {
         }
         let mut all = Vec::with_capacity(if weights { self.layers.len() } else { 0 });
         for (layer, cache) in self.layers.iter().zip(caches.iter_mut()) {
-            let (next, w) = layer.forward(&x, &self.rope, cache, weights)?;
+            let (next, w) = layer.forward(&x, &self.ropes[layer.rope], cache, weights)?;
             x = next;
             if weights {
                 all.push(w);
@@ -871,9 +1127,10 @@ impl LlamaModel {
         };
         let mut h: Vec<f32> = x.flatten_all()?.to_vec1()?;
         let position = caches.first().map_or(0, KvCache::len);
-        let angles = self.rope.row(position)?;
+        let rope = &self.ropes[0];
+        let angles = rope.row(position)?;
         for ((step, layer), cache) in steps.into_iter().zip(&self.layers).zip(caches.iter_mut()) {
-            step.forward(&mut h, (&self.rope, &angles), cache, layer.window)?;
+            step.forward(&mut h, (rope, &angles), cache, layer.window)?;
         }
         Ok(Some(Tensor::from_vec(h, (1, 1, d), x.device())?))
     }
@@ -948,13 +1205,13 @@ impl LlamaModel {
                 format!("shape {:?}", ids.dims()),
             ));
         }
-        let x = self.embed.forward(ids)?.to_dtype(self.compute)?; // (1, t, hidden)
+        let x = self.embed_tokens(ids)?; // (1, t, hidden)
         let mut x = graph_input(x, opts.grad)?;
         let mut attentions = Vec::with_capacity(self.layers.len());
         let (mut value_norms, mut probes) = (Vec::new(), Vec::new());
         for layer in &self.layers {
             let p = probe(opts.grad, layer.attn.num_heads(), t, x.device())?;
-            let (next, probs, h) = layer.forward_traced(&x, &self.rope, p.as_ref())?;
+            let (next, probs, h) = layer.forward_traced(&x, &self.ropes[layer.rope], p.as_ref())?;
             if opts.value_norms {
                 value_norms.push(layer.attn.value_output_norms(&h.detach())?);
             }
@@ -978,6 +1235,19 @@ impl LlamaModel {
     /// Number of decoder layers.
     pub fn num_layers(&self) -> usize {
         self.layers.len()
+    }
+
+    /// The embeddings of `ids` in the compute dtype, scaled where the family scales them.
+    ///
+    /// # Shapes
+    /// - `ids`: `(batch, seq)`; returns `(batch, seq, hidden)`
+    fn embed_tokens(&self, ids: &Tensor) -> Result<Tensor> {
+        let x = self.embed.forward(ids)?;
+        Ok(match self.embed_scale {
+            // In the embeddings' dtype, then widened (transformers multiplies in it).
+            Some(s) => (x * s)?.to_dtype(self.compute)?,
+            None => x.to_dtype(self.compute)?,
+        })
     }
 }
 

@@ -21,10 +21,12 @@ use crate::weights::gguf::GgufFile;
 
 /// The architectures this crate runs, as `general.architecture` names them, with the
 /// `model_type` transformers gives them.
-const ARCHITECTURES: [(&str, &str); 3] = [
+const ARCHITECTURES: [(&str, &str); 5] = [
     ("llama", "llama"),
     ("mistral", "mistral"),
     ("qwen2", "qwen2"),
+    ("qwen3", "qwen3"),
+    ("gemma3", "gemma3_text"),
 ];
 
 /// The file's architecture (`general.architecture`), checked to be one this crate runs.
@@ -164,6 +166,11 @@ pub(crate) fn hf_config(file: &GgufFile) -> Result<Value> {
         "tie_word_embeddings".into(),
         json!(file.tensor_info("output.weight").is_err()),
     );
+    if arch == "gemma3" {
+        // What transformers' `Gemma3TextConfig` defaults to where the file says nothing
+        // (the sliding pattern, the local rotary base, `query_pre_attn_scalar`).
+        cfg.insert("hidden_activation".into(), json!("gelu_pytorch_tanh"));
+    }
     for (hf, gguf) in [
         ("bos_token_id", "tokenizer.ggml.bos_token_id"),
         ("eos_token_id", "tokenizer.ggml.eos_token_id"),
@@ -173,6 +180,27 @@ pub(crate) fn hf_config(file: &GgufFile) -> Result<Value> {
         }
     }
     Ok(Value::Object(cfg))
+}
+
+/// The GGUF name of a Hugging Face tensor name of a `arch` file: Gemma 3 keeps its four
+/// layer norms under their own names; every other name as [`gguf_name`].
+pub(crate) fn gguf_name_in(hf: &str, arch: &str) -> Option<String> {
+    let layer_part = hf
+        .strip_prefix("model.layers.")
+        .and_then(|r| r.split_once('.'));
+    if let (Some((layer, rest)), "gemma3") = (layer_part, arch) {
+        let gemma = [
+            ("post_attention_layernorm.", "post_attention_norm."),
+            ("pre_feedforward_layernorm.", "ffn_norm."),
+            ("post_feedforward_layernorm.", "post_ffw_norm."),
+        ];
+        if let Some((h, g)) = gemma.iter().find(|(h, _)| rest.starts_with(h)) {
+            let layer: usize = layer.parse().ok()?;
+            let suffix = &rest[h.len()..];
+            return (suffix == "weight").then(|| format!("blk.{layer}.{g}{suffix}"));
+        }
+    }
+    gguf_name(hf)
 }
 
 /// The GGUF name of a Hugging Face LLaMA tensor name, `None` for names the format lacks.
@@ -194,6 +222,8 @@ pub(crate) fn gguf_name(hf: &str) -> Option<String> {
         ("self_attn.k_proj.", "attn_k."),
         ("self_attn.v_proj.", "attn_v."),
         ("self_attn.o_proj.", "attn_output."),
+        ("self_attn.q_norm.", "attn_q_norm."),
+        ("self_attn.k_norm.", "attn_k_norm."),
         ("post_attention_layernorm.", "ffn_norm."),
         ("mlp.gate_proj.", "ffn_gate."),
         ("mlp.up_proj.", "ffn_up."),
@@ -207,6 +237,8 @@ pub(crate) fn gguf_name(hf: &str) -> Option<String> {
 /// The tensors of a LLaMA-family GGUF file under their Hugging Face names, dequantized.
 pub(crate) struct GgufLlamaWeights {
     file: GgufFile,
+    /// `general.architecture`.
+    arch: &'static str,
     /// Query and key heads whose rows llama.cpp permuted (`llama` architecture), `None`
     /// when the rows are in transformers' order.
     permuted: Option<(usize, usize)>,
@@ -220,12 +252,13 @@ impl GgufLlamaWeights {
         let kv_heads = cfg["num_key_value_heads"].as_u64().unwrap_or(heads as u64) as usize;
         Ok(Self {
             permuted: permuted.then_some((heads, kv_heads)),
+            arch: architecture(&file)?,
             file,
         })
     }
 
     fn load(&self, hf: &str, dtype: DType, device: &Device) -> Result<Tensor> {
-        let Some(name) = gguf_name(hf) else {
+        let Some(name) = gguf_name_in(hf, self.arch) else {
             return Err(Error::MissingTensor {
                 name: hf.to_string(),
                 total: 0,
@@ -238,6 +271,8 @@ impl GgufLlamaWeights {
         let t = match (self.permuted, name.rsplit('.').nth(1)) {
             (Some((heads, _)), Some("attn_q")) => unpermute_rows(&t, heads)?,
             (Some((_, kv_heads)), Some("attn_k")) => unpermute_rows(&t, kv_heads)?,
+            // llama.cpp stores Gemma's norms as `1 + w`; transformers subtracts the 1 again.
+            _ if self.arch == "gemma3" && name.ends_with("norm.weight") => (t - 1.0)?,
             _ => t,
         };
         Ok(t.to_dtype(dtype)?.to_device(device)?)
@@ -283,7 +318,7 @@ impl SimpleBackend for GgufLlamaWeights {
         dev: &Device,
     ) -> candle_core::Result<Tensor> {
         let t = self.load(name, dtype, dev).map_err(Error::into_candle)?;
-        of_shape(t, &s, || match gguf_name(name) {
+        of_shape(t, &s, || match gguf_name_in(name, self.arch) {
             Some(g) => format!("{g} (`{name}`)"),
             None => name.to_string(),
         })
@@ -294,7 +329,7 @@ impl SimpleBackend for GgufLlamaWeights {
     }
 
     fn contains_tensor(&self, name: &str) -> bool {
-        gguf_name(name).is_some_and(|g| self.file.tensor_info(&g).is_ok())
+        gguf_name_in(name, self.arch).is_some_and(|g| self.file.tensor_info(&g).is_ok())
     }
 }
 
@@ -343,7 +378,7 @@ mod tests {
         assert!(
             e.contains("bloom.gguf")
                 && e.contains("`bloom`")
-                && e.contains("llama, mistral, qwen2"),
+                && e.contains("llama, mistral, qwen2, qwen3, gemma3"),
             "{e}"
         );
         Ok(())

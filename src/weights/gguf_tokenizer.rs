@@ -6,7 +6,9 @@
 //! file marks as control as special added tokens, the user-defined ones as added tokens;
 //! BOS first when `tokenizer.ggml.add_bos_token` says so. Or a SentencePiece BPE
 //! (`tokenizer.ggml.model = llama`: LLaMA-1/2, Mistral, TinyLlama vocabularies), as
-//! transformers' `LlamaTokenizer`, with the file's merges or the ones its scores imply.
+//! transformers' `LlamaTokenizer`, with the file's merges or the ones its scores imply; for
+//! a Gemma file (`general.architecture` `gemma`, `gemma2`, `gemma3`), as its
+//! `GemmaTokenizer`.
 
 use serde_json::{json, Map, Value};
 
@@ -125,24 +127,40 @@ pub(crate) fn tokenizer_json(file: &GgufFile) -> Result<Value> {
     };
     let bos = special_id("tokenizer.ggml.bos_token_id")?;
     let flag = |key: &str| file.get(key).and_then(GgufValue::as_bool);
-    let (parts, add_bos) = if model == "gpt2" {
-        let merges = merges.ok_or_else(|| Error::UnsupportedGguf {
-            path: file.path().to_path_buf(),
-            what: "a byte-level vocabulary without `tokenizer.ggml.merges`".into(),
-            supported: String::new(),
-        })?;
-        let merges: Vec<Value> = merges.iter().map(merge_pair).collect::<Result<_>>()?;
-        let pre = file.get("tokenizer.ggml.pre").and_then(GgufValue::as_str);
-        (
-            byte_level(&tokens, &types, merges, pre),
-            flag("tokenizer.ggml.add_bos_token").unwrap_or(false),
-        )
-    } else {
-        let merges: Vec<Value> = match merges {
-            Some(m) => m.iter().map(merge_pair).collect::<Result<_>>()?,
-            None => {
-                let scores: Vec<f64> =
-                    match file.get("tokenizer.ggml.scores") {
+    let arch = file.get("general.architecture").and_then(GgufValue::as_str);
+    let (parts, add_bos) =
+        if model == "llama" && matches!(arch, Some("gemma" | "gemma2" | "gemma3")) {
+            let file_merges: Option<Vec<Value>> = merges
+                .as_ref()
+                .map(|m| m.iter().map(merge_pair).collect::<Result<_>>())
+                .transpose()?;
+            let named = [
+                special_id("tokenizer.ggml.unknown_token_id")?,
+                bos,
+                special_id("tokenizer.ggml.eos_token_id")?,
+                special_id("tokenizer.ggml.padding_token_id")?,
+            ];
+            (
+                gemma(&tokens, &types, file_merges, &named),
+                flag("tokenizer.ggml.add_bos_token").unwrap_or(true),
+            )
+        } else if model == "gpt2" {
+            let merges = merges.ok_or_else(|| Error::UnsupportedGguf {
+                path: file.path().to_path_buf(),
+                what: "a byte-level vocabulary without `tokenizer.ggml.merges`".into(),
+                supported: String::new(),
+            })?;
+            let merges: Vec<Value> = merges.iter().map(merge_pair).collect::<Result<_>>()?;
+            let pre = file.get("tokenizer.ggml.pre").and_then(GgufValue::as_str);
+            (
+                byte_level(&tokens, &types, merges, pre),
+                flag("tokenizer.ggml.add_bos_token").unwrap_or(false),
+            )
+        } else {
+            let merges: Vec<Value> = match merges {
+                Some(m) => m.iter().map(merge_pair).collect::<Result<_>>()?,
+                None => {
+                    let scores: Vec<f64> = match file.get("tokenizer.ggml.scores") {
                         Some(GgufValue::Array(a)) => {
                             a.iter().map(|v| v.as_f64().unwrap_or(0.0)).collect()
                         }
@@ -151,23 +169,23 @@ pub(crate) fn tokenizer_json(file: &GgufFile) -> Result<Value> {
                                 .into(),
                         )),
                     };
-                merges_from_scores(&tokens, &scores)
-                    .into_iter()
-                    .map(|(a, b)| json!([a, b]))
-                    .collect()
-            }
+                    merges_from_scores(&tokens, &scores)
+                        .into_iter()
+                        .map(|(a, b)| json!([a, b]))
+                        .collect()
+                }
+            };
+            let named = [
+                special_id("tokenizer.ggml.unknown_token_id")?,
+                bos,
+                special_id("tokenizer.ggml.eos_token_id")?,
+            ];
+            // transformers' GGUF loader adds BOS to a SentencePiece vocabulary that does not say.
+            (
+                sentencepiece(&tokens, &types, merges, &named),
+                flag("tokenizer.ggml.add_bos_token").unwrap_or(true),
+            )
         };
-        let named = [
-            special_id("tokenizer.ggml.unknown_token_id")?,
-            bos,
-            special_id("tokenizer.ggml.eos_token_id")?,
-        ];
-        // transformers' GGUF loader adds BOS to a SentencePiece vocabulary that does not say.
-        (
-            sentencepiece(&tokens, &types, merges, &named),
-            flag("tokenizer.ggml.add_bos_token").unwrap_or(true),
-        )
-    };
     let post_processor = match (add_bos, bos) {
         (true, Some((id, bos))) => json!({
             "type": "TemplateProcessing",
@@ -299,6 +317,70 @@ fn sentencepiece(
         ]}),
         model: json!({
             "type": "BPE", "dropout": null, "unk_token": null, "continuing_subword_prefix": null,
+            "end_of_word_suffix": null, "fuse_unk": true, "byte_fallback": true,
+            "ignore_merges": false, "vocab": vocab, "merges": merges,
+        }),
+    }
+}
+
+/// Gemma's vocabulary as transformers' GGUF loader builds it (its `gemma_tokenizer` and
+/// `GemmaTokenizer`): runs of spaces respelled as runs of `▁`, spaces turned into `▁` by
+/// the normalizer (no prefix), a BPE whose merges, where the file has none, are every split
+/// of every token ordered by the token's position (not its score), `<unk>` as the unknown
+/// token, byte fallback; control tokens and the `named` ones special, user-defined ones added
+/// (looked up in their stored spelling).
+fn gemma(
+    tokens: &[&str],
+    types: &[i64],
+    merges: Option<Vec<Value>>,
+    named: &[Option<(u64, &str)>],
+) -> Parts {
+    // Python's `str.strip()` whitespace: Unicode's and the separators U+001C..U+001F.
+    let blank = |t: &str| {
+        t.chars()
+            .all(|c| c.is_whitespace() || ('\u{1c}'..='\u{1f}').contains(&c))
+    };
+    let respelled: Vec<String> = tokens
+        .iter()
+        .map(|t| match t.contains(' ') && blank(t) {
+            true => "\u{2581}".repeat(t.chars().count()),
+            false => t.to_string(),
+        })
+        .collect();
+    let mut vocab = Map::new();
+    for (id, t) in respelled.iter().enumerate() {
+        vocab.insert(t.clone(), json!(id));
+    }
+    let merges = merges.unwrap_or_else(|| {
+        let spelled: Vec<&str> = respelled.iter().map(String::as_str).collect();
+        let by_position: Vec<f64> = (0..spelled.len()).map(|i| -(i as f64)).collect();
+        merges_from_scores(&spelled, &by_position)
+            .into_iter()
+            .map(|(a, b)| json!([a, b]))
+            .collect()
+    });
+    let mut added = Vec::new();
+    for (id, t) in tokens.iter().enumerate() {
+        let kind = types.get(id).copied().unwrap_or(1);
+        let is_named = named.iter().flatten().any(|&(n, _)| n as usize == id);
+        if kind == CONTROL || is_named {
+            added.push(added_token(id, t, true));
+        } else if kind == USER_DEFINED && vocab.contains_key(*t) {
+            added.push(added_token(id, t, false));
+        }
+    }
+    Parts {
+        added,
+        normalizer: json!({"type": "Replace", "pattern": {"String": " "}, "content": "\u{2581}"}),
+        pre_tokenizer: json!({"type": "Split", "pattern": {"String": " "},
+                              "behavior": "MergedWithPrevious", "invert": false}),
+        decoder: json!({"type": "Sequence", "decoders": [
+            {"type": "Replace", "pattern": {"String": "\u{2581}"}, "content": " "},
+            {"type": "ByteFallback"},
+            {"type": "Fuse"},
+        ]}),
+        model: json!({
+            "type": "BPE", "dropout": null, "unk_token": "<unk>", "continuing_subword_prefix": null,
             "end_of_word_suffix": null, "fuse_unk": true, "byte_fallback": true,
             "ignore_merges": false, "vocab": vocab, "merges": merges,
         }),

@@ -42,6 +42,9 @@ pub enum WeightLayout {
     /// LLaMA / Mistral / Qwen2: `q_proj`, `k_proj`, `v_proj` (`kv_heads * head_dim` rows),
     /// `o_proj`; biases used when present.
     Llama,
+    /// Phi-3: `qkv_proj` holding the query, key and value rows one after the other
+    /// (`(heads + 2 kv_heads) * head_dim` rows), `o_proj`; the sizes must be stated.
+    Phi3,
     /// Single-head self-attention: `query`, `key`, `value` (bias optional), no output
     /// projection; `d_k` may differ from `d_v`.
     Single,
@@ -49,12 +52,13 @@ pub enum WeightLayout {
 
 impl WeightLayout {
     /// Every layout, in the order of their command-line names.
-    pub const ALL: [WeightLayout; 6] = [
+    pub const ALL: [WeightLayout; 7] = [
         WeightLayout::Bert,
         WeightLayout::DistilBert,
         WeightLayout::TorchMha,
         WeightLayout::Gpt2,
         WeightLayout::Llama,
+        WeightLayout::Phi3,
         WeightLayout::Single,
     ];
 
@@ -66,6 +70,7 @@ impl WeightLayout {
             WeightLayout::TorchMha => "torch-mha",
             WeightLayout::Gpt2 => "gpt2",
             WeightLayout::Llama => "llama",
+            WeightLayout::Phi3 => "phi3",
             WeightLayout::Single => "single",
         }
     }
@@ -83,7 +88,10 @@ impl WeightLayout {
             WeightLayout::Bert => Some(["self.query", "self.key", "self.value", "output.dense"]),
             WeightLayout::DistilBert => Some(["q_lin", "k_lin", "v_lin", "out_lin"]),
             WeightLayout::Llama => Some(["q_proj", "k_proj", "v_proj", "o_proj"]),
-            WeightLayout::TorchMha | WeightLayout::Gpt2 | WeightLayout::Single => None,
+            WeightLayout::TorchMha
+            | WeightLayout::Gpt2
+            | WeightLayout::Phi3
+            | WeightLayout::Single => None,
         }
     }
 
@@ -298,6 +306,36 @@ impl WeightLayout {
                     false,
                 )?),
             }),
+            WeightLayout::Phi3 => {
+                let z = s.ok_or_else(|| {
+                    Error::config(
+                        "the phi3 layout splits `qkv_proj` by the stated sizes: give the hidden \
+                         size, heads, kv heads and head dim",
+                    )
+                })?;
+                let qkv = vb.pp("qkv_proj");
+                let rows = [q_out, k_out, v_out];
+                let w = weight(
+                    &qkv,
+                    "weight",
+                    Some(Sized::out_in(q_out + k_out + v_out, z.hidden)),
+                )?; // (q + k + v, hidden)
+                let b = opt_bias(&qkv, "bias", q_out + k_out + v_out, None)?;
+                let [wq, wk, wv] = split_rows(&w, rows)?;
+                let [bq, bk, bv] = split_bias(b, rows)?;
+                let name = full_name(&qkv, "weight");
+                Ok(Projections {
+                    q: LinearWeights::new(wq, bq, format!("{name} (query rows)")),
+                    k: LinearWeights::new(wk, bk, format!("{name} (key rows)")),
+                    v: LinearWeights::new(wv, bv, format!("{name} (value rows)")),
+                    o: Some(lin(
+                        &vb.pp("o_proj"),
+                        hidden,
+                        z.heads * z.v_head_dim,
+                        false,
+                    )?),
+                })
+            }
             WeightLayout::Single => Ok(Projections {
                 q: lin(&vb.pp("query"), q_out, hidden, bias)?,
                 k: lin(&vb.pp("key"), k_out, hidden, bias)?,
@@ -322,8 +360,10 @@ impl FromStr for WeightLayout {
             .into_iter()
             .find(|l| l.name() == norm)
             .ok_or_else(|| {
+                let names: Vec<&str> = Self::ALL.iter().map(WeightLayout::name).collect();
                 Error::config(format!(
-                    "unknown layout `{s}`; expected one of bert, distilbert, torch-mha, gpt2, llama, single"
+                    "unknown layout `{s}`; expected one of {}",
+                    names.join(", ")
                 ))
             })
     }
