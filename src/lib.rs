@@ -155,6 +155,7 @@ pub use models::embedder::Embedder;
 pub use models::encoder_family::{EncoderFamily, PositionIds};
 pub use models::kv_cache::KvCache;
 pub use models::llama::{argmax_ids, LlamaConfig, LlamaModel};
+pub use models::pooling::{Pooling, PoolingMode};
 pub use models::resolver::{
     default_model_dir, Model, ModelFiles, ModelResolver, DEFAULT_MODEL_NAME,
 };

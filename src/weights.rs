@@ -1,5 +1,6 @@
 //! Everything named after a file on disk: safetensors checkpoints with loud errors
-//! ([`checkpoint`]), the renaming of each checkpoint layout's tensors ([`layout`]),
+//! ([`checkpoint`]), the renaming of each checkpoint layout's tensors ([`layout`]), GPT-2's
+//! and GPT-NeoX's checkpoints under LLaMA's names ([`decoder_names`]),
 //! `config.json` as is ([`config`]), GGUF files with their metadata and quantized tensors
 //! ([`gguf`]) and a LLaMA-family file under the Hugging Face names ([`gguf_layout`]) with
 //! its tokenizer ([`gguf_tokenizer`]), chat template ([`gguf_chat_template`]) and the ids
@@ -13,6 +14,7 @@ pub(crate) mod checkpoint;
 pub(crate) mod config;
 #[cfg(feature = "cuda")]
 pub(crate) mod cuda_gemv;
+pub(crate) mod decoder_names;
 pub(crate) mod gguf;
 pub(crate) mod gguf_chat_template;
 pub(crate) mod gguf_end_of_generation;

@@ -1,4 +1,5 @@
-//! The decoder families beside LLaMA (Qwen3, Gemma 3, Phi-3) against transformers: prompt
+//! The decoder families beside LLaMA (Qwen3, Gemma 3, Phi-3, GPT-2, GPT-NeoX / Pythia)
+//! against transformers: prompt
 //! logits, every layer's eager attentions (1e-5), greedy ids with the cache, and the
 //! dump's JSON; the cache against the full forward; fields the crate does not implement and
 //! stray tensors refused by name. Fixtures: `scripts/gen_decoder_family_fixtures.py`.
@@ -11,7 +12,7 @@ use candle_attention::{argmax_ids, Checkpoint, LlamaModel};
 use candle_core::{DType, Device, IndexOp, Tensor};
 use common::{assert_close, max_abs_diff, repo_path, TempDir};
 
-const CASES: [&str; 3] = ["qwen3", "gemma3", "phi3"];
+const CASES: [&str; 5] = ["qwen3", "gemma3", "phi3", "gpt2", "pythia"];
 
 fn case_dir(case: &str) -> PathBuf {
     repo_path(&format!("tests/fixtures/decoders/{case}"))
@@ -213,6 +214,14 @@ fn unsupported_fields_and_stray_tensors_are_refused() -> anyhow::Result<()> {
             json!({"rope_type": "longrope", "rope_theta": 1e4}),
         ),
         ("phi3", "model_type", json!("phimoe")),
+        ("gpt2", "scale_attn_by_inverse_layer_idx", json!(true)),
+        ("gpt2", "scale_attn_weights", json!(false)),
+        ("pythia", "hidden_act", json!("swiglu")),
+        (
+            "pythia",
+            "rope_parameters",
+            json!({"rope_type": "dynamic", "factor": 2.0, "rope_theta": 1e4}),
+        ),
     ];
     for (case, field, value) in cases {
         let dir = edited_copy(case, |cfg| cfg[field] = value.clone(), None)?;
@@ -232,6 +241,9 @@ fn unsupported_fields_and_stray_tensors_are_refused() -> anyhow::Result<()> {
         ("qwen3", "model.layers.0.self_attn.sinks"),
         ("gemma3", "model.layers.2.mlp.down_proj.weight"),
         ("phi3", "model.layers.0.self_attn.q_proj.weight"),
+        ("gpt2", "transformer.h.0.attn.c_attn.scale"),
+        ("pythia", "gpt_neox.layers.0.attention.query_key_value.lora"),
+        ("pythia", "gpt_neox.emb_dropout.weight"),
     ] {
         let dir = edited_copy(case, |_| {}, Some(stray))?;
         let err = match LlamaModel::from_dir(&dir.0, DType::F32, &Device::Cpu) {

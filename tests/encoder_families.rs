@@ -260,3 +260,41 @@ fn attention_dump_json_matches_transformers() -> anyhow::Result<()> {
     }
     Ok(())
 }
+
+/// `embed`'s pooling is the model's: sentence-transformers' `modules.json` (here CLS, then
+/// unit length) or, without one, mean pooling unnormalized; each against transformers'
+/// last hidden states.
+#[test]
+fn embeddings_pool_as_the_model_says() -> anyhow::Result<()> {
+    let fx = Expected::open("roberta")?;
+    let hidden = fx.tensor("0.last_hidden_state")?.squeeze(0)?; // (seq, hidden)
+    let text = fx.sentences[0].as_str();
+    // No modules.json: the mean over the tokens, as it is.
+    let model = load(&case_dir("roberta"))?;
+    let row = model.embedder(&Device::Cpu).embed(&[text])?.remove(0);
+    let mean = hidden.mean(0)?;
+    let got = Tensor::new(row.as_slice(), &Device::Cpu)?;
+    assert_close(&got, &mean, 1e-4, "roberta mean pooling")?;
+    // CLS pooling and Normalize, as a sentence-transformers directory says.
+    let dir = edited_copy("roberta", |_| {}, None)?;
+    std::fs::write(
+        dir.0.join("modules.json"),
+        r#"[{"idx": 0, "name": "0", "path": "", "type": "sentence_transformers.models.Transformer"},
+            {"idx": 1, "name": "1", "path": "1_Pooling", "type": "sentence_transformers.models.Pooling"},
+            {"idx": 2, "name": "2", "path": "2_Normalize", "type": "sentence_transformers.models.Normalize"}]"#,
+    )?;
+    std::fs::create_dir_all(dir.0.join("1_Pooling"))?;
+    std::fs::write(
+        dir.0.join("1_Pooling/config.json"),
+        r#"{"word_embedding_dimension": 32, "pooling_mode_cls_token": true,
+            "pooling_mode_mean_tokens": false, "pooling_mode_max_tokens": false,
+            "pooling_mode_mean_sqrt_len_tokens": false}"#,
+    )?;
+    let model = load(&dir.0)?;
+    let row = model.embedder(&Device::Cpu).embed(&[text])?.remove(0);
+    let cls = hidden.get(0)?;
+    let unit = cls.broadcast_div(&cls.sqr()?.sum_all()?.sqrt()?)?;
+    let got = Tensor::new(row.as_slice(), &Device::Cpu)?;
+    assert_close(&got, &unit, 1e-4, "roberta CLS pooling, normalized")?;
+    Ok(())
+}

@@ -36,8 +36,19 @@ fn close(what: &str, got: &[f32], want: &[f32]) {
 
 #[test]
 fn minilm_rollout_grad_and_norm_equal_transformers() -> anyhow::Result<()> {
-    let fx = fixture("minilm.json")?;
-    let files = ModelResolver::new().resolve(Some(&repo_path("weights").display().to_string()))?;
+    encoder_golden("minilm.json", "weights")
+}
+
+/// RoBERTa (positions from past `pad_token_id`): fixture from
+/// `scripts/gen_explain_family_fixtures.py`.
+#[test]
+fn roberta_rollout_grad_and_norm_equal_transformers() -> anyhow::Result<()> {
+    encoder_golden("roberta.json", "tests/fixtures/encoders/roberta")
+}
+
+fn encoder_golden(name: &str, dir: &str) -> anyhow::Result<()> {
+    let fx = fixture(name)?;
+    let files = ModelResolver::new().resolve(Some(&repo_path(dir).display().to_string()))?;
     let model = Model::load(files, DType::F32, &Device::Cpu, false)?;
     let cases = fx["cases"].as_array().map_or(&[][..], Vec::as_slice);
     assert!(!cases.is_empty());
@@ -100,12 +111,20 @@ fn minilm_rollout_grad_and_norm_equal_transformers() -> anyhow::Result<()> {
 
 #[test]
 fn llama_rollout_grad_and_norm_equal_transformers() -> anyhow::Result<()> {
-    let fx = fixture("llama_gqa.json")?;
-    let model = LlamaModel::from_dir(
-        repo_path("tests/fixtures/decoders/llama_gqa"),
-        DType::F32,
-        &Device::Cpu,
-    )?;
+    decoder_golden("llama_gqa.json", "tests/fixtures/decoders/llama_gqa")
+}
+
+/// Gemma 3 (q/k norms, sandwich norms, a sliding layer) and Pythia (LayerNorms, partial
+/// rotation, parallel residual): fixtures from `scripts/gen_explain_family_fixtures.py`.
+#[test]
+fn gemma3_and_pythia_rollout_grad_and_norm_equal_transformers() -> anyhow::Result<()> {
+    decoder_golden("gemma3.json", "tests/fixtures/decoders/gemma3")?;
+    decoder_golden("pythia.json", "tests/fixtures/decoders/pythia")
+}
+
+fn decoder_golden(name: &str, dir: &str) -> anyhow::Result<()> {
+    let fx = fixture(name)?;
+    let model = LlamaModel::from_dir(repo_path(dir), DType::F32, &Device::Cpu)?;
     for case in fx["cases"].as_array().map_or(&[][..], Vec::as_slice) {
         let ids: Vec<u32> = floats(&case["input_ids"])
             .iter()

@@ -1,18 +1,31 @@
-//! The pre-norm rotary decoder families (LLaMA, Mistral, Qwen2, Qwen3, Gemma 3, Phi-3) as
-//! descriptions over one decoder ([`crate::LlamaModel`]): which norms a layer has and how
-//! they scale, whether queries and keys are normed per head, how the embeddings are scaled,
-//! which projections a checkpoint fuses, and which layers attend within a sliding window.
+//! The pre-norm decoder families (LLaMA, Mistral, Qwen2, Qwen3, Gemma 3, Phi-3, GPT-2,
+//! GPT-NeoX / Pythia) as descriptions over one decoder ([`crate::LlamaModel`]): which norms a
+//! layer has and how they scale (RMSNorm, `1 + w`, LayerNorm), whether queries and keys are
+//! normed per head, how positions enter (rotary, learned), how the embeddings are scaled,
+//! whether the MLP is gated, whether the two halves add in parallel, which projections a
+//! checkpoint fuses, and which layers attend within a sliding window.
 //! A configuration value that would change the math in a way the decoder does not implement
 //! is an error naming the field, and so is every tensor the decoder would not read.
 //!
 //! Adding a family of this form is one more `DecoderFamily` constant and its `model_type`s in
-//! [`DecoderFamily::ALL`]; renamed config fields go in [`DecoderFamily::normalize_config`].
+//! [`DecoderFamily::ALL`]; renamed config fields go in [`DecoderFamily::normalize_config`],
+//! renamed tensors in `crate::weights::decoder_names`.
 
 use std::collections::BTreeSet;
 
-use serde_json::Value;
+use serde_json::{json, Value};
 
 use crate::error::{Error, Result};
+use crate::weights::decoder_names::Renaming;
+
+/// The norms of a layer.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum NormKind {
+    /// RMSNorm, `weight` only.
+    Rms,
+    /// LayerNorm with `weight` and `bias` (GPT-2, GPT-NeoX).
+    Layer,
+}
 
 /// Which layers attend within `sliding_window` keys.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -52,6 +65,17 @@ pub struct DecoderFamily {
     pub window: WindowRule,
     /// The MLP activations the family's configs name (`hidden_act`).
     pub activations: &'static [&'static str],
+    /// RMSNorm or LayerNorm.
+    pub norm: NormKind,
+    /// Positions are a learned table added to the embeddings (GPT-2), not a rotation.
+    pub learned_positions: bool,
+    /// The MLP is `down(act(gate(x)) * up(x))`; `false`: `down(act(up(x)))` (GPT-2, NeoX).
+    pub gated_mlp: bool,
+    /// The attention's and the MLP's outputs both add to the layer's input (GPT-NeoX's
+    /// `use_parallel_residual`, its default).
+    pub parallel_residual: bool,
+    /// The checkpoint's names where they are not LLaMA's.
+    pub renaming: Option<Renaming>,
 }
 
 impl DecoderFamily {
@@ -66,6 +90,11 @@ impl DecoderFamily {
         fused_projections: false,
         window: WindowRule::Never,
         activations: &["silu"],
+        norm: NormKind::Rms,
+        learned_positions: false,
+        gated_mlp: true,
+        parallel_residual: false,
+        renaming: None,
     };
     /// Mistral: LLaMA with a sliding window in every layer.
     pub const MISTRAL: DecoderFamily = DecoderFamily {
@@ -101,6 +130,7 @@ impl DecoderFamily {
         fused_projections: false,
         window: WindowRule::LayerTypes,
         activations: &["gelu_pytorch_tanh", "gelu_new", "gelu_fast", "gelu"],
+        ..Self::LLAMA
     };
     /// Phi-3: fused `qkv_proj` and `gate_up_proj`, a sliding window in every layer.
     pub const PHI3: DecoderFamily = DecoderFamily {
@@ -111,14 +141,41 @@ impl DecoderFamily {
         ..Self::LLAMA
     };
 
+    /// GPT-2: learned positions, LayerNorms, `Conv1D` projections (fused `c_attn`), a plain
+    /// MLP, the head tied to the embeddings.
+    pub const GPT2: DecoderFamily = DecoderFamily {
+        name: "GPT-2",
+        model_types: &["gpt2"],
+        activations: &["gelu_new", "gelu_pytorch_tanh", "gelu_fast", "gelu", "relu"],
+        norm: NormKind::Layer,
+        learned_positions: true,
+        gated_mlp: false,
+        renaming: Some(Renaming::Gpt2),
+        ..Self::LLAMA
+    };
+    /// GPT-NeoX / Pythia: LayerNorms, partial rotation, fused `query_key_value` laid out per
+    /// head, a plain MLP, the two halves in parallel.
+    pub const GPT_NEOX: DecoderFamily = DecoderFamily {
+        name: "GPT-NeoX",
+        model_types: &["gpt_neox"],
+        activations: &["gelu", "gelu_new", "gelu_pytorch_tanh", "gelu_fast", "relu"],
+        norm: NormKind::Layer,
+        gated_mlp: false,
+        parallel_residual: true,
+        renaming: Some(Renaming::GptNeoX),
+        ..Self::LLAMA
+    };
+
     /// Every decoder family of this form.
-    pub const ALL: [DecoderFamily; 6] = [
+    pub const ALL: [DecoderFamily; 8] = [
         Self::LLAMA,
         Self::MISTRAL,
         Self::QWEN2,
         Self::QWEN3,
         Self::GEMMA3,
         Self::PHI3,
+        Self::GPT2,
+        Self::GPT_NEOX,
     ];
 
     /// The family of a `model_type` (`None`: LLaMA).
@@ -141,6 +198,10 @@ impl DecoderFamily {
     /// computes that layer and no other.
     pub(crate) fn is_plain(&self) -> bool {
         !(self.qk_norm || self.norm_plus_one || self.sandwich_norms || self.embed_scale)
+            && self.norm == NormKind::Rms
+            && self.gated_mlp
+            && !self.learned_positions
+            && !self.parallel_residual
     }
 
     /// The config as LLaMA's field names hold it: the family's own names copied to them
@@ -154,6 +215,46 @@ impl DecoderFamily {
             if !act.is_null() {
                 obj.insert("hidden_act".into(), act);
             }
+        }
+        // Another family's spelling of a field, copied to LLaMA's where that is absent.
+        let mut alias = |from: &str, to: &str| {
+            if let Some(v) = obj.get(from).cloned().filter(|v| !v.is_null()) {
+                obj.entry(to.to_string()).or_insert(v);
+            }
+        };
+        match self.renaming {
+            Some(Renaming::Gpt2) => {
+                for (from, to) in [
+                    ("n_embd", "hidden_size"),
+                    ("n_head", "num_attention_heads"),
+                    ("n_layer", "num_hidden_layers"),
+                    ("n_positions", "max_position_embeddings"),
+                    ("n_inner", "intermediate_size"),
+                    ("layer_norm_epsilon", "rms_norm_eps"),
+                    ("activation_function", "hidden_act"),
+                ] {
+                    alias(from, to);
+                }
+                // GPT2Config's defaults: a 4x MLP, the head tied to the embeddings.
+                if let Some(d) = obj.get("hidden_size").and_then(Value::as_u64) {
+                    obj.entry("intermediate_size").or_insert(json!(4 * d));
+                }
+                obj.entry("tie_word_embeddings").or_insert(json!(true));
+                obj.entry("hidden_act").or_insert(json!("gelu_new"));
+            }
+            Some(Renaming::GptNeoX) => {
+                for (from, to) in [
+                    ("layer_norm_eps", "rms_norm_eps"),
+                    ("rotary_pct", "partial_rotary_factor"),
+                    ("rotary_emb_base", "rope_theta"),
+                ] {
+                    alias(from, to);
+                }
+                // GPTNeoXConfig's defaults.
+                obj.entry("partial_rotary_factor").or_insert(json!(0.25));
+                obj.entry("hidden_act").or_insert(json!("gelu"));
+            }
+            None => {}
         }
     }
 
@@ -180,6 +281,23 @@ impl DecoderFamily {
         for field in ["attn_logit_softcapping", "final_logit_softcapping"] {
             if let Some(v) = set(field) {
                 return refuse(field, v, "logit softcapping is not implemented");
+            }
+        }
+        if self.renaming == Some(Renaming::Gpt2) {
+            for field in ["scale_attn_by_inverse_layer_idx", "add_cross_attention"] {
+                if let Some(v) = set(field) {
+                    return refuse(field, v, "not implemented");
+                }
+            }
+            if let Some(v) = raw
+                .get("scale_attn_weights")
+                .filter(|v| **v == Value::Bool(false))
+            {
+                return refuse(
+                    "scale_attn_weights",
+                    v,
+                    "unscaled scores are not implemented",
+                );
             }
         }
         if let Some(v) = set("use_bidirectional_attention") {
@@ -233,9 +351,16 @@ impl DecoderFamily {
             "model.embed_tokens.weight".to_string(),
             "model.norm.weight".to_string(),
         ]);
+        if self.norm == NormKind::Layer {
+            names.insert("model.norm.bias".into());
+        }
+        if self.learned_positions {
+            names.insert("model.embed_positions.weight".into());
+        }
         if !tied {
             names.insert("lm_head.weight".into());
         }
+        let layer_norm = self.norm == NormKind::Layer;
         for i in 0..layers {
             let l = format!("model.layers.{i}");
             let mut add = |n: &str| {
@@ -243,6 +368,10 @@ impl DecoderFamily {
             };
             add("input_layernorm.weight");
             add("post_attention_layernorm.weight");
+            if layer_norm {
+                add("input_layernorm.bias");
+                add("post_attention_layernorm.bias");
+            }
             if self.sandwich_norms {
                 add("pre_feedforward_layernorm.weight");
                 add("post_feedforward_layernorm.weight");
@@ -256,6 +385,15 @@ impl DecoderFamily {
                     "self_attn.qkv_proj",
                     "self_attn.o_proj",
                     "mlp.gate_up_proj",
+                    "mlp.down_proj",
+                ]
+            } else if !self.gated_mlp {
+                &[
+                    "self_attn.q_proj",
+                    "self_attn.k_proj",
+                    "self_attn.v_proj",
+                    "self_attn.o_proj",
+                    "mlp.up_proj",
                     "mlp.down_proj",
                 ]
             } else {

@@ -1,15 +1,16 @@
-//! Sentence embeddings for a corpus: tokenize, batch by length, encode, mean-pool over the
-//! real tokens, L2-normalise (sentence-transformers' pipeline for all-MiniLM-L6-v2), and
-//! return the rows in input order.
+//! Sentence embeddings for a corpus: tokenize, batch by length, encode, pool over the real
+//! tokens and normalise as the model's sentence-transformers pipeline does ([`Pooling`]:
+//! all-MiniLM-L6-v2's mean and unit length by default), and return the rows in input order.
 
-use candle_core::{DType, Device, Tensor};
+use candle_core::{Device, Tensor};
 use std::sync::Mutex;
 
 use rayon::prelude::*;
 
 use crate::error::{Error, Result};
 use crate::models::batching::into_length_sorted_batches;
-use crate::models::bert::{l2_normalize, mean_pool, mean_pool_unit_rows, BertEncoder};
+use crate::models::bert::{mean_pool_unit_rows, BertEncoder};
+use crate::models::pooling::Pooling;
 use crate::text::{EncodedBatch, EncodedText, TextEncoder};
 
 /// Embeds sentences in length-sorted batches with a BERT-family encoder.
@@ -33,20 +34,34 @@ pub struct Embedder<'m> {
     text: &'m TextEncoder,
     device: Device,
     batch_size: usize,
+    pooling: Pooling,
 }
 
 impl<'m> Embedder<'m> {
     /// Sentences per forward pass unless set otherwise (sentence-transformers' default).
     pub const DEFAULT_BATCH_SIZE: usize = 32;
 
-    /// An embedder over `encoder` and its tokenizer, running on `device`.
+    /// An embedder over `encoder` and its tokenizer, running on `device`, with mean pooling
+    /// and unit length ([`Pooling::default`]; [`crate::Model::embedder`] uses the model's).
     pub fn new(encoder: &'m BertEncoder, text: &'m TextEncoder, device: &Device) -> Self {
         Self {
             encoder,
             text,
             device: device.clone(),
             batch_size: Self::DEFAULT_BATCH_SIZE,
+            pooling: Pooling::default(),
         }
+    }
+
+    /// How token rows become a sentence's row.
+    pub fn with_pooling(mut self, pooling: Pooling) -> Self {
+        self.pooling = pooling;
+        self
+    }
+
+    /// The pooling in use.
+    pub fn pooling(&self) -> Pooling {
+        self.pooling
     }
 
     /// Sentences per forward pass (at least 1).
@@ -63,8 +78,8 @@ impl<'m> Embedder<'m> {
         self.batch_size
     }
 
-    /// Unit-length embeddings of `texts`, one row of `hidden` values per text, in input
-    /// order.
+    /// The embeddings of `texts` (unit length where the pooling normalizes), one row of
+    /// `hidden` values per text, in input order.
     pub fn embed(&self, texts: &[&str]) -> Result<Vec<Vec<f32>>> {
         self.embed_with_progress(texts, |_| {})
     }
@@ -110,18 +125,20 @@ impl<'m> Embedder<'m> {
     /// [`Embedder::embed_batch`] as rows (pooled straight from the CPU's hidden states).
     fn embed_batch_rows(&self, batch: &EncodedBatch) -> Result<Vec<Vec<f32>>> {
         let hidden = self.hidden_states(batch)?;
-        match mean_pool_unit_rows(&hidden, &batch.attention_mask)? {
-            Some(rows) => Ok(rows),
-            None => Ok(Self::pool(&hidden, batch)?.to_vec2()?),
+        if self.pooling == Pooling::default() {
+            if let Some(rows) = mean_pool_unit_rows(&hidden, &batch.attention_mask)? {
+                return Ok(rows);
+            }
         }
+        Ok(self.pool(&hidden, batch)?.to_vec2()?)
     }
 
     /// Embeddings of one padded batch.
     ///
     /// # Shapes
-    /// - returns `(batch, hidden)` f32, rows of unit length
+    /// - returns `(batch, hidden)` f32 (rows of unit length where the pooling normalizes)
     pub fn embed_batch(&self, batch: &EncodedBatch) -> Result<Tensor> {
-        Self::pool(&self.hidden_states(batch)?, batch)
+        self.pool(&self.hidden_states(batch)?, batch)
     }
 
     /// The encoder's last hidden states `(batch, seq, hidden)` for one padded batch.
@@ -135,9 +152,8 @@ impl<'m> Embedder<'m> {
         Ok(out.hidden_states)
     }
 
-    /// Mean pooling over the real tokens, then unit length, in f32 `(batch, hidden)`.
-    fn pool(hidden: &Tensor, batch: &EncodedBatch) -> Result<Tensor> {
-        let pooled = mean_pool(hidden, &batch.attention_mask)?;
-        Ok(l2_normalize(&pooled)?.to_dtype(DType::F32)?)
+    /// The pooling over the real tokens, in f32 `(batch, hidden)`.
+    fn pool(&self, hidden: &Tensor, batch: &EncodedBatch) -> Result<Tensor> {
+        self.pooling.pool(hidden, &batch.attention_mask)
     }
 }

@@ -9,7 +9,7 @@
 use std::path::Path;
 
 use candle_core::{DType, Device, Module, Tensor, D};
-use candle_nn::{Embedding, Linear, RmsNorm, VarBuilder};
+use candle_nn::{Embedding, LayerNorm, Linear, RmsNorm, VarBuilder};
 use serde::Deserialize;
 use serde_json::Value;
 
@@ -26,11 +26,12 @@ use crate::kernels::residual;
 use crate::kernels::rms_norm::rms_norm;
 use crate::models::bert::Activation;
 use crate::models::decode_step::{DecodeStep, StepAttention};
-use crate::models::decoder_family::{DecoderFamily, WindowRule};
+use crate::models::decoder_family::{DecoderFamily, NormKind, WindowRule};
 use crate::models::kv_cache::KvCache;
 use crate::models::rope::{RopeConfig, RopeLayout, RopeScaling, RotaryEmbedding};
 use crate::models::trace::{graph_input, probe, ForwardTrace, TraceOptions};
 use crate::weights::config::{read_config_file, AttentionConfig};
+use crate::weights::decoder_names::RenamedWeights;
 use crate::weights::gguf::GgufFile;
 use crate::weights::gguf_layout;
 use crate::weights::layout::WeightLayout;
@@ -114,6 +115,10 @@ pub struct LlamaConfig {
     /// Gemma: the attention scale is `query_pre_attn_scalar^-1/2` (not `head_dim^-1/2`).
     #[serde(default)]
     pub query_pre_attn_scalar: Option<f64>,
+    /// GPT-NeoX: the attention and the MLP both read the layer's input and add to it
+    /// (`None`: the family's default).
+    #[serde(default)]
+    pub use_parallel_residual: Option<bool>,
     /// Longest context the model was trained for.
     #[serde(default)]
     pub max_position_embeddings: Option<usize>,
@@ -368,15 +373,13 @@ impl Proj {
     /// The weight `(out, in)` under `vb` (`weight`, and `bias` when present), kept in its
     /// blocks when `quant` holds it in a block type.
     fn load(vb: &VarBuilder, inp: usize, out: usize, quant: Option<&GgufFile>) -> Result<Self> {
-        if let Some(file) = quant {
+        // A weight in blocks stays in them (one with a bias, GPT-2's and GPT-NeoX's, is
+        // dequantized: the blocks' kernels add none).
+        if let Some(file) = quant.filter(|_| !vb.contains_tensor("bias")) {
             let hf = format!("{}.weight", vb.prefix());
-            if let Some(name) = gguf_layout::gguf_name(&hf) {
+            let stored = gguf_layout::gguf_name(&hf).filter(|n| file.tensor_info(n).is_ok());
+            if let Some(name) = stored {
                 if let Some(q) = QuantWeight::from_gguf(file, &name, out, inp)? {
-                    if vb.contains_tensor("bias") {
-                        return Err(Error::config(format!(
-                            "`{hf}`: a quantized weight with a bias is not supported"
-                        )));
-                    }
                     return Ok(Self::Quant(q.on(vb.device())?));
                 }
             }
@@ -506,8 +509,10 @@ fn stored_weight(
 ) -> Result<Option<QuantWeight>> {
     let hf = format!("{}.{proj}.weight", vb.prefix());
     match gguf_layout::gguf_name(&hf) {
-        Some(name) => QuantWeight::from_gguf(file, &name, rows, cols),
-        None => Ok(None),
+        Some(name) if file.tensor_info(&name).is_ok() => {
+            QuantWeight::from_gguf(file, &name, rows, cols)
+        }
+        _ => Ok(None),
     }
 }
 
@@ -583,7 +588,8 @@ fn attention_config(cfg: &LlamaConfig) -> AttentionConfig {
 /// `down(act(gate(x)) * up(x))`: SiLU (SwiGLU) or GELU (GeGLU).
 #[derive(Debug, Clone)]
 struct Mlp {
-    gate: Proj,
+    /// `None`: a plain MLP, `down(act(up(x)))` (GPT-2, GPT-NeoX).
+    gate: Option<Proj>,
     up: Proj,
     down: Proj,
     activation: Activation,
@@ -601,12 +607,14 @@ impl Mlp {
                     None,
                 )))
             };
-            (half(0)?, half(i)?)
-        } else {
+            (Some(half(0)?), half(i)?)
+        } else if cfg.family.gated_mlp {
             (
-                Proj::load(&vb.pp("gate_proj"), d, i, quant)?,
+                Some(Proj::load(&vb.pp("gate_proj"), d, i, quant)?),
                 Proj::load(&vb.pp("up_proj"), d, i, quant)?,
             )
+        } else {
+            (None, Proj::load(&vb.pp("up_proj"), d, i, quant)?)
         };
         Ok(Self {
             gate,
@@ -619,7 +627,7 @@ impl Mlp {
     /// Gate, up and down when all three are kept in their blocks.
     fn quantized(&self) -> Option<[QuantWeight; 3]> {
         match (&self.gate, &self.up, &self.down) {
-            (Proj::Quant(g), Proj::Quant(u), Proj::Quant(d)) => {
+            (Some(Proj::Quant(g)), Proj::Quant(u), Proj::Quant(d)) => {
                 Some([g.clone(), u.clone(), d.clone()])
             }
             _ => None,
@@ -627,24 +635,28 @@ impl Mlp {
     }
 
     fn forward(&self, x: &Tensor) -> Result<Tensor> {
+        let Some(gate_proj) = &self.gate else {
+            let h = self.activation.apply(&self.up.forward(x)?)?;
+            return self.down.forward(&h);
+        };
         if self.activation != Activation::Silu {
-            let g = self.activation.apply(&self.gate.forward(x)?)?;
+            let g = self.activation.apply(&gate_proj.forward(x)?)?;
             return self.down.forward(&(g * self.up.forward(x)?)?);
         }
         // A decode step on dense weights: both halves in one pass over the threads.
-        if let (Proj::Dense(gate), Proj::Dense(up)) = (&self.gate, &self.up) {
+        if let (Proj::Dense(gate), Proj::Dense(up)) = (gate_proj, &self.up) {
             let (g, u) = ((gate.weight(), gate.bias()), (up.weight(), up.bias()));
             if let Some(h) = one_row_gated(x, g, u)? {
                 return self.down.forward(&h);
             }
         }
         // Blocks on the CPU: silu and the product in one pass over the values.
-        if let (Proj::Quant(gate), Proj::Quant(up)) = (&self.gate, &self.up) {
+        if let (Proj::Quant(gate), Proj::Quant(up)) = (gate_proj, &self.up) {
             if let Some(h) = QuantWeight::forward_gated(gate, up, x)? {
                 return self.down.forward(&h);
             }
         }
-        let g = candle_nn::ops::silu(&self.gate.forward(x)?)?;
+        let g = candle_nn::ops::silu(&gate_proj.forward(x)?)?;
         self.down.forward(&(g * self.up.forward(x)?)?)
     }
 }
@@ -659,21 +671,67 @@ fn window_mask(t: usize, offset: usize, w: usize, device: &Device) -> Result<Att
     AttentionMask::keep(&Tensor::from_vec(keep, (t, total), device)?)
 }
 
+/// A layer's norm: RMSNorm, or LayerNorm with a bias (GPT-2, GPT-NeoX).
+#[derive(Debug, Clone)]
+enum Norm {
+    Rms(RmsNorm),
+    Layer(LayerNorm),
+}
+
+impl Norm {
+    /// # Shapes
+    /// - `x`: `(..., hidden)`; returns the same
+    fn forward(&self, x: &Tensor) -> Result<Tensor> {
+        match self {
+            Norm::Rms(n) => rms_norm(n, x),
+            Norm::Layer(n) => Ok(n.forward(x)?),
+        }
+    }
+
+    /// [`Norm::forward`] in candle's differentiable ops.
+    fn forward_diff(&self, x: &Tensor) -> Result<Tensor> {
+        match self {
+            Norm::Rms(n) => Ok(n.forward_diff(x)?),
+            Norm::Layer(n) => {
+                let bias = n
+                    .bias()
+                    .ok_or_else(|| Error::config("a LayerNorm without bias"))?;
+                Ok(candle_nn::ops::layer_norm_slow(
+                    x,
+                    n.weight(),
+                    bias,
+                    n.eps() as f32,
+                )?)
+            }
+        }
+    }
+
+    fn rms(&self) -> Option<&RmsNorm> {
+        match self {
+            Norm::Rms(n) => Some(n),
+            Norm::Layer(_) => None,
+        }
+    }
+}
+
 /// One decoder layer.
 #[derive(Debug, Clone)]
 struct DecoderLayer {
-    input_norm: RmsNorm,
+    input_norm: Norm,
     attn: MultiHeadSelfAttention,
     /// Per-head norms of the queries and keys before the rotation (Qwen3, Gemma 3).
     qk_norms: Option<(RmsNorm, RmsNorm)>,
     /// Norms of the attention's and the MLP's outputs before their residual adds (Gemma).
     out_norms: Option<(RmsNorm, RmsNorm)>,
     /// The MLP's input norm.
-    post_norm: RmsNorm,
+    post_norm: Norm,
     mlp: Mlp,
+    /// The attention and the MLP both read the layer's input (GPT-NeoX).
+    parallel: bool,
     window: Option<usize>,
-    /// Which of the model's rotations the layer uses (Gemma 3's sliding layers: the local one).
-    rope: usize,
+    /// Which of the model's rotations the layer uses (Gemma 3's sliding layers: the local
+    /// one); `None`: none (GPT-2's learned positions).
+    rope: Option<usize>,
     /// The decode step's weights: a GGUF layer on the CPU (f32 hidden states).
     step: Option<DecodeStep>,
 }
@@ -684,18 +742,20 @@ impl DecoderLayer {
     fn forward(
         &self,
         x: &Tensor,
-        rope: &RotaryEmbedding,
+        rope: Option<&RotaryEmbedding>,
         cache: &mut KvCache,
         need_weights: bool,
     ) -> Result<(Tensor, Option<Tensor>)> {
         let (_, t, _) = x.dims3()?;
         let offset = cache.len();
         // The attention runs in its weights' dtype; the rest of the layer in `x`'s.
-        let h = rms_norm(&self.input_norm, x)?.to_dtype(self.attn.dtype())?;
+        let h = self.input_norm.forward(x)?.to_dtype(self.attn.dtype())?;
         let (q, k, v) = self.attn.project_qkv(&h)?;
         let (q, k) = self.norm_qk(q, k, false)?;
-        let q = rope.apply(&q, offset)?; // (b, h, t, hd)
-        let k = rope.apply(&k, offset)?; // (b, kvh, t, hd)
+        let (q, k) = match rope {
+            Some(r) => (r.apply(&q, offset)?, r.apply(&k, offset)?), // (b, h|kvh, t, hd)
+            None => (q, k),
+        };
         let (k_all, v_all) = cache.append(&k, &v)?; // (b, kvh, offset + t, hd)
         let total = offset + t;
         let (k_all, v_all, mask) = match self.window {
@@ -723,8 +783,13 @@ impl DecoderLayer {
             Some((after_attn, _)) => rms_norm(after_attn, &attn)?,
             None => attn,
         };
+        if self.parallel {
+            // transformers' GPT-NeoX: `mlp_output + attn_output + hidden_states`.
+            let m = self.mlp.forward(&self.post_norm.forward(x)?)?;
+            return Ok((residual::add(&(m + attn)?, x)?, out.weights));
+        }
         let x = residual::add(x, &attn)?;
-        let m = self.mlp.forward(&rms_norm(&self.post_norm, &x)?)?;
+        let m = self.mlp.forward(&self.post_norm.forward(&x)?)?;
         let m = match &self.out_norms {
             Some((_, after_mlp)) => rms_norm(after_mlp, &m)?,
             None => m,
@@ -757,7 +822,7 @@ impl DecoderLayer {
     fn forward_traced(
         &self,
         x: &Tensor,
-        rope: &RotaryEmbedding,
+        rope: Option<&RotaryEmbedding>,
         probe: Option<&Tensor>,
     ) -> Result<(Tensor, Tensor, Tensor)> {
         let (_, t, _) = x.dims3()?;
@@ -767,7 +832,10 @@ impl DecoderLayer {
             .to_dtype(self.attn.dtype())?;
         let (q, k, v) = self.attn.project_qkv(&h)?;
         let (q, k) = self.norm_qk(q, k, true)?;
-        let (q, k) = (rope.apply(&q, 0)?, rope.apply(&k, 0)?);
+        let (q, k) = match rope {
+            Some(r) => (r.apply(&q, 0)?, r.apply(&k, 0)?),
+            None => (q, k),
+        };
         let mask = match self.window {
             Some(w) if t > w => window_mask(t, 0, w, x.device())?,
             _ => AttentionMask::causal(),
@@ -782,6 +850,10 @@ impl DecoderLayer {
             Some((after_attn, _)) => after_attn.forward_diff(&attn)?,
             None => attn,
         };
+        if self.parallel {
+            let m = self.mlp.forward(&self.post_norm.forward_diff(x)?)?;
+            return Ok((((m + attn)? + x)?, probs, h));
+        }
         let x = (x + attn)?;
         let m = self.mlp.forward(&self.post_norm.forward_diff(&x)?)?;
         let m = match &self.out_norms {
@@ -805,8 +877,10 @@ pub struct LlamaModel {
     embed: Embed,
     /// The embeddings' multiplier (Gemma's `sqrt(hidden_size)`, rounded to f32).
     embed_scale: Option<f64>,
+    /// GPT-2's learned position table `(positions, hidden)`.
+    positions: Option<Embedding>,
     layers: Vec<DecoderLayer>,
-    norm: RmsNorm,
+    norm: Norm,
     /// `(vocab, hidden)`: the embedding matrix when tied.
     lm_head: Proj,
     /// The global rotation, and Gemma 3's local one.
@@ -844,6 +918,20 @@ impl LlamaModel {
             };
             Ok(RmsNorm::new(w, cfg.rms_norm_eps))
         };
+        let norm_of = |vb: VarBuilder| -> Result<Norm> {
+            Ok(match family.norm {
+                NormKind::Rms => Norm::Rms(rms_of(vb, d)?),
+                NormKind::Layer => {
+                    let w = vb.get_with_hints(d, "weight", candle_nn::Init::Const(1.0))?;
+                    let b = vb.get_with_hints(d, "bias", candle_nn::Init::Const(0.0))?;
+                    Norm::Layer(LayerNorm::new(
+                        w.to_dtype(compute)?,
+                        b.to_dtype(compute)?,
+                        cfg.rms_norm_eps,
+                    ))
+                }
+            })
+        };
         let rms = |vb: VarBuilder| rms_of(vb, d);
         let m = vb.pp("model");
         let embed_proj = Proj::load(&m.pp("embed_tokens"), d, cfg.vocab_size, quant)?;
@@ -873,18 +961,18 @@ impl LlamaModel {
                     None,
                 ),
             };
-            let input_norm = rms(l.pp("input_layernorm"))?;
+            let input_norm = norm_of(l.pp("input_layernorm"))?;
             // Gemma's `post_attention_layernorm` norms the attention's output; the MLP's
             // input norm is its `pre_feedforward_layernorm`.
             let (post_norm, out_norms) = match family.sandwich_norms {
                 true => (
-                    rms(l.pp("pre_feedforward_layernorm"))?,
+                    norm_of(l.pp("pre_feedforward_layernorm"))?,
                     Some((
                         rms(l.pp("post_attention_layernorm"))?,
                         rms(l.pp("post_feedforward_layernorm"))?,
                     )),
                 ),
-                false => (rms(l.pp("post_attention_layernorm"))?, None),
+                false => (norm_of(l.pp("post_attention_layernorm"))?, None),
             };
             let qk_norms = match family.qk_norm {
                 true => {
@@ -897,13 +985,21 @@ impl LlamaModel {
             let mlp = Mlp::load(l.pp("mlp"), cfg, quant)?;
             // The step is a faster route to the same values: weights it refuses take the
             // tensor path (which reports what does not fit when it runs).
-            let step = match (step_attn, mlp.quantized()) {
-                (Some(a), Some(m)) if compute == DType::F32 && family.is_plain() => {
-                    DecodeStep::new(&input_norm, &post_norm, a, m).ok()
+            let step = match (
+                step_attn,
+                mlp.quantized(),
+                input_norm.rms(),
+                post_norm.rms(),
+            ) {
+                (Some(a), Some(m), Some(n1), Some(n2))
+                    if compute == DType::F32 && family.is_plain() =>
+                {
+                    DecodeStep::new(n1, n2, a, m).ok()
                 }
                 _ => None,
             };
-            let rope = usize::from(cfg.rope_of(i) != &cfg.rope);
+            let rope =
+                (!family.learned_positions).then(|| usize::from(cfg.rope_of(i) != &cfg.rope));
             layers.push(DecoderLayer {
                 input_norm,
                 attn,
@@ -911,6 +1007,9 @@ impl LlamaModel {
                 out_norms,
                 post_norm,
                 mlp,
+                parallel: cfg
+                    .use_parallel_residual
+                    .unwrap_or(family.parallel_residual),
                 window: cfg.window_of(i),
                 rope,
                 step,
@@ -923,21 +1022,35 @@ impl LlamaModel {
                 )));
             }
         }
-        let norm = rms(m.pp("norm"))?;
+        let norm = norm_of(m.pp("norm"))?;
         let lm_head = if cfg.tie_word_embeddings && !vb.contains_tensor("lm_head.weight") {
             embed_proj
         } else {
             Proj::load(&vb.pp("lm_head"), d, cfg.vocab_size, quant)?
         };
-        let positions = cfg.max_position_embeddings.unwrap_or(2048).min(1 << 16);
-        let mut ropes = vec![RotaryEmbedding::new(
-            cfg.rope.clone(),
-            positions,
-            vb.device(),
-        )?];
-        if let Some(local) = &cfg.rope_local {
-            ropes.push(RotaryEmbedding::new(local.clone(), positions, vb.device())?);
+        let table = cfg.max_position_embeddings.unwrap_or(2048).min(1 << 16);
+        let mut ropes = Vec::new();
+        if !family.learned_positions {
+            ropes.push(RotaryEmbedding::new(cfg.rope.clone(), table, vb.device())?);
+            if let Some(local) = &cfg.rope_local {
+                ropes.push(RotaryEmbedding::new(local.clone(), table, vb.device())?);
+            }
         }
+        let positions = match family.learned_positions {
+            true => {
+                let w = m.pp("embed_positions").get_unchecked("weight")?;
+                let (_, width) = w.dims2()?;
+                if width != d {
+                    return Err(Error::ShapeMismatch {
+                        tensor: "model.embed_positions.weight".into(),
+                        expected: format!("(positions, {d})"),
+                        found: w.dims().to_vec(),
+                    });
+                }
+                Some(Embedding::new(w, d))
+            }
+            false => None,
+        };
         // transformers keeps `sqrt(hidden)` as an f32 tensor (cast to the weights' dtype).
         let embed_scale = family
             .embed_scale
@@ -947,6 +1060,7 @@ impl LlamaModel {
             compute,
             embed,
             embed_scale,
+            positions,
             layers,
             norm,
             lm_head,
@@ -973,10 +1087,26 @@ impl LlamaModel {
         dtype: DType,
         device: &Device,
     ) -> Result<Self> {
-        let tied = cfg.tie_word_embeddings && !ckpt.contains("lm_head.weight");
-        cfg.family
-            .check_tensors(ckpt.names(), cfg.num_hidden_layers, tied)?;
-        Self::load(ckpt.var_builder(dtype, device), cfg)
+        let family = cfg.family;
+        let Some(renaming) = family.renaming else {
+            let tied = cfg.tie_word_embeddings && !ckpt.contains("lm_head.weight");
+            family.check_tensors(ckpt.names(), cfg.num_hidden_layers, tied)?;
+            return Self::load(ckpt.var_builder(dtype, device), cfg);
+        };
+        let heads = cfg.num_attention_heads;
+        let weights = RenamedWeights::new(ckpt.clone(), renaming, heads, cfg.rope.head_dim);
+        let vb = VarBuilder::from_backend(Box::new(weights), dtype, device.clone());
+        let tied = cfg.tie_word_embeddings && !vb.contains_tensor("lm_head.weight");
+        // Every tensor of the checkpoint is the source of one the model reads (or a buffer).
+        let names: std::collections::BTreeSet<&str> = ckpt.names().collect();
+        let expected = family.expected_names(cfg.num_hidden_layers, tied);
+        let read = renaming.sources(expected.iter(), &names);
+        family.check_tensors(
+            names.iter().copied().filter(|n| !read.contains(*n)),
+            cfg.num_hidden_layers,
+            tied,
+        )?;
+        Self::load(vb, cfg)
     }
 
     /// Loads a LLaMA-family model (architectures `llama`, `mistral`, `qwen2`) from one GGUF
@@ -1006,7 +1136,7 @@ impl LlamaModel {
             .family
             .expected_names(cfg.num_hidden_layers, tied)
             .iter()
-            .filter_map(|n| gguf_layout::gguf_name_in(n, arch))
+            .filter_map(|n| gguf_layout::gguf_source(n, arch))
             .collect();
         cfg.family.check_tensors(
             file.tensors()
@@ -1100,21 +1230,23 @@ impl LlamaModel {
                 "an empty sequence",
             ));
         }
-        let mut x = self.embed_tokens(ids)?; // (b, t, hidden)
+        let offset = caches.first().map_or(0, KvCache::len);
+        let mut x = self.embed_tokens(ids, offset)?; // (b, t, hidden)
         if !weights {
             if let Some(out) = self.decode_step(&x, caches)? {
-                return Ok((rms_norm(&self.norm, &out)?, Vec::new()));
+                return Ok((self.norm.forward(&out)?, Vec::new()));
             }
         }
         let mut all = Vec::with_capacity(if weights { self.layers.len() } else { 0 });
         for (layer, cache) in self.layers.iter().zip(caches.iter_mut()) {
-            let (next, w) = layer.forward(&x, &self.ropes[layer.rope], cache, weights)?;
+            let rope = layer.rope.map(|r| &self.ropes[r]);
+            let (next, w) = layer.forward(&x, rope, cache, weights)?;
             x = next;
             if weights {
                 all.push(w);
             }
         }
-        Ok((rms_norm(&self.norm, &x)?, all))
+        Ok((self.norm.forward(&x)?, all))
     }
 
     /// One token's hidden state `x` `(1, 1, hidden)` through every layer on the decode step's
@@ -1127,7 +1259,9 @@ impl LlamaModel {
         };
         let mut h: Vec<f32> = x.flatten_all()?.to_vec1()?;
         let position = caches.first().map_or(0, KvCache::len);
-        let rope = &self.ropes[0];
+        let Some(rope) = self.ropes.first() else {
+            return Ok(None);
+        };
         let angles = rope.row(position)?;
         for ((step, layer), cache) in steps.into_iter().zip(&self.layers).zip(caches.iter_mut()) {
             step.forward(&mut h, (rope, &angles), cache, layer.window)?;
@@ -1205,13 +1339,14 @@ impl LlamaModel {
                 format!("shape {:?}", ids.dims()),
             ));
         }
-        let x = self.embed_tokens(ids)?; // (1, t, hidden)
+        let x = self.embed_tokens(ids, 0)?; // (1, t, hidden)
         let mut x = graph_input(x, opts.grad)?;
         let mut attentions = Vec::with_capacity(self.layers.len());
         let (mut value_norms, mut probes) = (Vec::new(), Vec::new());
         for layer in &self.layers {
             let p = probe(opts.grad, layer.attn.num_heads(), t, x.device())?;
-            let (next, probs, h) = layer.forward_traced(&x, &self.ropes[layer.rope], p.as_ref())?;
+            let rope = layer.rope.map(|r| &self.ropes[r]);
+            let (next, probs, h) = layer.forward_traced(&x, rope, p.as_ref())?;
             if opts.value_norms {
                 value_norms.push(layer.attn.value_output_norms(&h.detach())?);
             }
@@ -1237,17 +1372,32 @@ impl LlamaModel {
         self.layers.len()
     }
 
-    /// The embeddings of `ids` in the compute dtype, scaled where the family scales them.
+    /// The embeddings of `ids` at positions `offset..` in the compute dtype, scaled where the
+    /// family scales them, plus the learned positions' rows where it has them.
     ///
     /// # Shapes
     /// - `ids`: `(batch, seq)`; returns `(batch, seq, hidden)`
-    fn embed_tokens(&self, ids: &Tensor) -> Result<Tensor> {
+    fn embed_tokens(&self, ids: &Tensor, offset: usize) -> Result<Tensor> {
         let x = self.embed.forward(ids)?;
-        Ok(match self.embed_scale {
+        let x = match self.embed_scale {
             // In the embeddings' dtype, then widened (transformers multiplies in it).
             Some(s) => (x * s)?.to_dtype(self.compute)?,
             None => x.to_dtype(self.compute)?,
-        })
+        };
+        let Some(table) = &self.positions else {
+            return Ok(x);
+        };
+        let (_, t) = ids.dims2()?;
+        let max = table.embeddings().dim(0)?;
+        if offset + t > max {
+            return Err(Error::SequenceTooLong {
+                len: offset + t,
+                max,
+            });
+        }
+        let pos = Tensor::arange(offset as u32, (offset + t) as u32, ids.device())?;
+        let rows = table.forward(&pos)?.to_dtype(self.compute)?; // (t, hidden)
+        Ok(x.broadcast_add(&rows)?)
     }
 }
 

@@ -11,6 +11,7 @@ use crate::models::architecture::Architecture;
 use crate::models::bert::BertEncoder;
 use crate::models::embedder::Embedder;
 use crate::models::encoder_family::supported_model_types;
+use crate::models::pooling::Pooling;
 use crate::text::TextEncoder;
 use crate::weights::checkpoint::Checkpoint;
 use crate::weights::config::HfConfig;
@@ -224,6 +225,21 @@ impl ModelResolver {
         };
         let config = get("config.json")?;
         let tokenizer = get("tokenizer.json")?;
+        // The sentence-transformers pipeline where the model has one (its pooling and
+        // normalization, read beside config.json): best effort, a model may have none.
+        if let Ok(modules) = remote.get("modules.json") {
+            let pooling_dirs = std::fs::read_to_string(&modules)
+                .ok()
+                .and_then(|t| serde_json::from_str::<serde_json::Value>(&t).ok())
+                .and_then(|v| v.as_array().cloned())
+                .unwrap_or_default()
+                .into_iter()
+                .filter(|m| m["type"].as_str().is_some_and(|t| t.ends_with(".Pooling")))
+                .filter_map(|m| m["path"].as_str().map(str::to_string));
+            for dir in pooling_dirs {
+                let _ = remote.get(&format!("{dir}/config.json"));
+            }
+        }
         let weights = match get("model.safetensors") {
             Ok(p) => vec![p],
             Err(single_err) => match get("model.safetensors.index.json") {
@@ -326,6 +342,8 @@ pub struct Model {
     pub text: TextEncoder,
     /// The encoder.
     pub encoder: BertEncoder,
+    /// How its sentence embeddings are pooled (its `modules.json`).
+    pub pooling: Pooling,
 }
 
 impl Model {
@@ -353,6 +371,10 @@ impl Model {
             },
         );
         let encoder = encoder?;
+        let pooling = match files.config.parent() {
+            Some(dir) => Pooling::from_dir(dir)?,
+            None => Pooling::from_dir(".")?,
+        };
         let text = text?
             .with_max_positions(encoder.max_positions())?
             .with_truncation(truncate)?;
@@ -361,12 +383,13 @@ impl Model {
             config,
             text,
             encoder,
+            pooling,
         })
     }
 
     /// Sentence embeddings with this model's encoder and tokenizer (batches of
     /// [`Embedder::DEFAULT_BATCH_SIZE`] unless set otherwise).
     pub fn embedder(&self, device: &Device) -> Embedder<'_> {
-        Embedder::new(&self.encoder, &self.text, device)
+        Embedder::new(&self.encoder, &self.text, device).with_pooling(self.pooling)
     }
 }

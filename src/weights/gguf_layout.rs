@@ -21,13 +21,22 @@ use crate::weights::gguf::GgufFile;
 
 /// The architectures this crate runs, as `general.architecture` names them, with the
 /// `model_type` transformers gives them.
-const ARCHITECTURES: [(&str, &str); 5] = [
+const ARCHITECTURES: [(&str, &str); 8] = [
     ("llama", "llama"),
     ("mistral", "mistral"),
     ("qwen2", "qwen2"),
     ("qwen3", "qwen3"),
     ("gemma3", "gemma3_text"),
+    ("phi3", "phi3"),
+    ("gpt2", "gpt2"),
+    ("gptneox", "gpt_neox"),
 ];
+
+/// Whether the architecture's layers have LayerNorms (`attention.layer_norm_epsilon`, with
+/// biases), not RMSNorms.
+fn layer_norms(arch: &str) -> bool {
+    matches!(arch, "gpt2" | "gptneox")
+}
 
 /// The file's architecture (`general.architecture`), checked to be one this crate runs.
 pub(crate) fn architecture(file: &GgufFile) -> Result<&'static str> {
@@ -100,10 +109,11 @@ pub(crate) fn hf_config(file: &GgufFile) -> Result<Value> {
     cfg.insert("num_key_value_heads".into(), json!(kv_heads));
     cfg.insert("num_hidden_layers".into(), json!(usize_of("block_count")?));
     cfg.insert("vocab_size".into(), json!(vocab));
-    cfg.insert(
-        "rms_norm_eps".into(),
-        json!(file.require_f64(&key("attention.layer_norm_rms_epsilon"))?),
-    );
+    let eps = match layer_norms(arch) {
+        true => "attention.layer_norm_epsilon",
+        false => "attention.layer_norm_rms_epsilon",
+    };
+    cfg.insert("rms_norm_eps".into(), json!(file.require_f64(&key(eps))?));
     if let Some(v) = file.get(&key("context_length")).and_then(|v| v.as_u64()) {
         cfg.insert("max_position_embeddings".into(), json!(v));
     }
@@ -156,11 +166,31 @@ pub(crate) fn hf_config(file: &GgufFile) -> Result<Value> {
             supported: "one or the other".into(),
         });
     }
+    // Phi-3's converter writes 0 for "no window".
     if let Some(w) = file
         .get(&key("attention.sliding_window"))
         .and_then(|v| v.as_u64())
+        .filter(|&w| w > 0)
     {
         cfg.insert("sliding_window".into(), json!(w));
+    }
+    if let Some(v) = file
+        .get(&key("use_parallel_residual"))
+        .and_then(|v| v.as_bool())
+    {
+        cfg.insert("use_parallel_residual".into(), json!(v));
+    }
+    if let Some(v) = file
+        .get(&key("rope.freq_base_swa"))
+        .and_then(|v| v.as_f64())
+    {
+        cfg.insert("rope_local_base_freq".into(), json!(v));
+    }
+    if let Some(v) = file
+        .get(&key("rope.scaling.original_context_length"))
+        .and_then(|v| v.as_u64())
+    {
+        cfg.insert("original_max_position_embeddings".into(), json!(v));
     }
     cfg.insert(
         "tie_word_embeddings".into(),
@@ -180,6 +210,31 @@ pub(crate) fn hf_config(file: &GgufFile) -> Result<Value> {
         }
     }
     Ok(Value::Object(cfg))
+}
+
+/// Where GPT-2's and GPT-NeoX's files keep a layer's query, key or value: `attn_qkv`'s
+/// rows in three equal blocks (llama.cpp's converter reorders GPT-NeoX's per-head rows so):
+/// the fused name and the block.
+pub(crate) fn fused_qkv_part(hf: &str, arch: &str) -> Option<(String, usize)> {
+    if !layer_norms(arch) {
+        return None;
+    }
+    let (layer, rest) = hf.strip_prefix("model.layers.")?.split_once('.')?;
+    let layer: usize = layer.parse().ok()?;
+    let (stem, what) = rest.rsplit_once('.')?;
+    let part = ["self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"]
+        .iter()
+        .position(|p| *p == stem)?;
+    matches!(what, "weight" | "bias").then(|| (format!("blk.{layer}.attn_qkv.{what}"), part))
+}
+
+/// The GGUF tensor a Hugging Face name is read from (the fused one for GPT-2's and
+/// GPT-NeoX's query, key and value).
+pub(crate) fn gguf_source(hf: &str, arch: &str) -> Option<String> {
+    match fused_qkv_part(hf, arch) {
+        Some((name, _)) => Some(name),
+        None => gguf_name_in(hf, arch),
+    }
 }
 
 /// The GGUF name of a Hugging Face tensor name of a `arch` file: Gemma 3 keeps its four
@@ -207,7 +262,9 @@ pub(crate) fn gguf_name_in(hf: &str, arch: &str) -> Option<String> {
 pub(crate) fn gguf_name(hf: &str) -> Option<String> {
     let fixed = [
         ("model.embed_tokens.weight", "token_embd.weight"),
+        ("model.embed_positions.weight", "position_embd.weight"),
         ("model.norm.weight", "output_norm.weight"),
+        ("model.norm.bias", "output_norm.bias"),
         ("lm_head.weight", "output.weight"),
     ];
     if let Some((_, g)) = fixed.iter().find(|(h, _)| *h == hf) {
@@ -224,6 +281,8 @@ pub(crate) fn gguf_name(hf: &str) -> Option<String> {
         ("self_attn.o_proj.", "attn_output."),
         ("self_attn.q_norm.", "attn_q_norm."),
         ("self_attn.k_norm.", "attn_k_norm."),
+        ("self_attn.qkv_proj.", "attn_qkv."),
+        ("mlp.gate_up_proj.", "ffn_up."),
         ("post_attention_layernorm.", "ffn_norm."),
         ("mlp.gate_proj.", "ffn_gate."),
         ("mlp.up_proj.", "ffn_up."),
@@ -258,6 +317,12 @@ impl GgufLlamaWeights {
     }
 
     fn load(&self, hf: &str, dtype: DType, device: &Device) -> Result<Tensor> {
+        if let Some((fused, part)) = fused_qkv_part(hf, self.arch) {
+            let t = self.file.dequantize(&fused, &Device::Cpu)?;
+            let rows = t.dim(0)? / 3;
+            let t = t.narrow(0, part * rows, rows)?.contiguous()?;
+            return Ok(t.to_dtype(dtype)?.to_device(device)?);
+        }
         let Some(name) = gguf_name_in(hf, self.arch) else {
             return Err(Error::MissingTensor {
                 name: hf.to_string(),
@@ -318,7 +383,7 @@ impl SimpleBackend for GgufLlamaWeights {
         dev: &Device,
     ) -> candle_core::Result<Tensor> {
         let t = self.load(name, dtype, dev).map_err(Error::into_candle)?;
-        of_shape(t, &s, || match gguf_name_in(name, self.arch) {
+        of_shape(t, &s, || match gguf_source(name, self.arch) {
             Some(g) => format!("{g} (`{name}`)"),
             None => name.to_string(),
         })
@@ -329,7 +394,7 @@ impl SimpleBackend for GgufLlamaWeights {
     }
 
     fn contains_tensor(&self, name: &str) -> bool {
-        gguf_name_in(name, self.arch).is_some_and(|g| self.file.tensor_info(&g).is_ok())
+        gguf_source(name, self.arch).is_some_and(|g| self.file.tensor_info(&g).is_ok())
     }
 }
 
@@ -378,7 +443,7 @@ mod tests {
         assert!(
             e.contains("bloom.gguf")
                 && e.contains("`bloom`")
-                && e.contains("llama, mistral, qwen2, qwen3, gemma3"),
+                && e.contains("llama, mistral, qwen2, qwen3, gemma3, phi3, gpt2, gptneox"),
             "{e}"
         );
         Ok(())

@@ -180,11 +180,17 @@ pub(crate) fn tokenizer_json(file: &GgufFile) -> Result<Value> {
                 bos,
                 special_id("tokenizer.ggml.eos_token_id")?,
             ];
+            let mut parts = sentencepiece(&tokens, &types, merges, &named);
+            if arch == Some("phi3") {
+                // transformers' `phi3_tokenizer`: the prefix and the spaces by the normalizer.
+                parts.normalizer = json!({"type": "Sequence", "normalizers": [
+                    {"type": "Prepend", "prepend": "\u{2581}"},
+                    {"type": "Replace", "pattern": {"String": " "}, "content": "\u{2581}"},
+                ]});
+                parts.pre_tokenizer = Value::Null;
+            }
             // transformers' GGUF loader adds BOS to a SentencePiece vocabulary that does not say.
-            (
-                sentencepiece(&tokens, &types, merges, &named),
-                flag("tokenizer.ggml.add_bos_token").unwrap_or(true),
-            )
+            (parts, flag("tokenizer.ggml.add_bos_token").unwrap_or(true))
         };
     let post_processor = match (add_bos, bos) {
         (true, Some((id, bos))) => json!({
