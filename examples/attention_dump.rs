@@ -502,6 +502,8 @@ fn svg_path(path: &Path, number: usize) -> PathBuf {
 
 /// The model behind the dump: a BERT-family encoder (sentences batched with padding) or a
 /// LLaMA-family decoder (each sentence alone, causal weights).
+// One value per run: the variants' sizes do not matter.
+#[allow(clippy::large_enum_variant)]
 enum Network {
     Encoder(Model),
     Decoder {

@@ -12,6 +12,7 @@ pub(crate) mod embedder;
 pub(crate) mod encoder_family;
 pub(crate) mod kv_cache;
 pub(crate) mod llama;
+pub(crate) mod modern_bert;
 pub(crate) mod pooling;
 pub(crate) mod resolver;
 pub(crate) mod rope;

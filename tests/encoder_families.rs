@@ -1,4 +1,4 @@
-//! RoBERTa, XLM-RoBERTa and DistilBERT load from a directory as transformers saves them and
+//! RoBERTa, XLM-RoBERTa, DistilBERT and ModernBERT load from a directory as transformers saves them and
 //! reproduce transformers' eager attentions (within 1e-5) and hidden states, alone and in a
 //! padded batch; their checkpoints' math-changing fields and stray tensors are refused.
 //! Fixtures: `scripts/gen_encoder_family_fixtures.py` (tests/fixtures/encoders/).
@@ -11,7 +11,7 @@ use candle_attention::{Checkpoint, Model, ModelResolver};
 use candle_core::{DType, Device, IndexOp, Tensor};
 use common::{assert_close, repo_path, TempDir};
 
-const CASES: [&str; 3] = ["roberta", "xlm_roberta", "distilbert"];
+const CASES: [&str; 4] = ["roberta", "xlm_roberta", "distilbert", "modernbert"];
 
 fn case_dir(case: &str) -> PathBuf {
     repo_path(&format!("tests/fixtures/encoders/{case}"))
@@ -156,7 +156,7 @@ fn edited_copy(
 /// its name, for each family; so is a tensor the encoder would not read.
 #[test]
 fn unsupported_fields_and_stray_tensors_are_refused() -> anyhow::Result<()> {
-    let cases: [(&str, &str, serde_json::Value, &str); 5] = [
+    let cases: [(&str, &str, serde_json::Value, &str); 8] = [
         (
             "roberta",
             "position_embedding_type",
@@ -177,6 +177,14 @@ fn unsupported_fields_and_stray_tensors_are_refused() -> anyhow::Result<()> {
             "gelu_erf_approx",
         ),
         ("distilbert", "model_type", "albert".into(), "albert"),
+        ("modernbert", "is_causal", true.into(), "is_causal"),
+        (
+            "modernbert",
+            "layer_types",
+            serde_json::json!(["full_attention", "chunked_attention", "full_attention"]),
+            "chunked_attention",
+        ),
+        ("modernbert", "hidden_activation", "swiglu".into(), "swiglu"),
     ];
     for (case, field, value, named) in cases {
         let dir = edited_copy(case, |cfg| cfg[field] = value.clone(), None)?;
@@ -192,6 +200,7 @@ fn unsupported_fields_and_stray_tensors_are_refused() -> anyhow::Result<()> {
             "encoder.layer.0.attention.self.distance_embedding.weight",
         ),
         ("distilbert", "transformer.layer.2.ffn.lin1.bias"),
+        ("modernbert", "layers.0.attn_norm.weight"),
     ] {
         let dir = edited_copy(case, |_| {}, Some(stray))?;
         let err = match load(&dir.0) {

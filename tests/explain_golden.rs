@@ -46,6 +46,13 @@ fn roberta_rollout_grad_and_norm_equal_transformers() -> anyhow::Result<()> {
     encoder_golden("roberta.json", "tests/fixtures/encoders/roberta")
 }
 
+/// ModernBERT (pre-norm, rotary, a local layer): fixture from
+/// `scripts/gen_modernbert_fixtures.py`.
+#[test]
+fn modernbert_rollout_grad_and_norm_equal_transformers() -> anyhow::Result<()> {
+    encoder_golden("modernbert.json", "tests/fixtures/encoders/modernbert")
+}
+
 fn encoder_golden(name: &str, dir: &str) -> anyhow::Result<()> {
     let fx = fixture(name)?;
     let files = ModelResolver::new().resolve(Some(&repo_path(dir).display().to_string()))?;

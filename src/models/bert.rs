@@ -23,6 +23,7 @@ use crate::kernels::gemm::matrix::HalfRows;
 use crate::kernels::gemm::packed::PackedWeight;
 use crate::kernels::pool::in_pool;
 use crate::models::encoder_family::{EncoderFamily, PositionIds};
+use crate::models::modern_bert::{ModernBert, ModernBertConfig};
 use crate::models::trace::{graph_input, probe, ForwardTrace, TraceOptions};
 use crate::weights::checkpoint::Checkpoint;
 use crate::weights::config::{AttentionConfig, HfConfig};
@@ -72,9 +73,6 @@ fn layer_norm(vb: VarBuilder, size: usize, eps: f64) -> Result<LayerNorm> {
     };
     Ok(LayerNorm::new(w, b, eps))
 }
-
-/// The word table's name under the base model's root.
-const WORDS: &str = "embeddings.word_embeddings.weight";
 
 /// A dense layer `(out, in)` with bias, checked against the expected sizes.
 struct Dense {
@@ -608,8 +606,11 @@ pub struct EncoderOutput {
 /// RoBERTa, XLM-RoBERTa, CamemBERT and DistilBERT, picked by `model_type`
 /// ([`EncoderFamily`]).
 pub struct BertEncoder {
-    embeddings: BertEmbeddings,
+    /// The post-norm form's (`None` for ModernBERT).
+    embeddings: Option<BertEmbeddings>,
     layers: Vec<BertLayer>,
+    /// The pre-norm form (ModernBERT).
+    modern: Option<ModernBert>,
     config: HfConfig,
     family: &'static EncoderFamily,
     dtype: DType,
@@ -636,8 +637,9 @@ impl BertEncoder {
     ) -> Result<Self> {
         let family = EncoderFamily::of_model_type(cfg.model_type.as_deref())?;
         family.check_config(cfg)?;
-        let base = match ckpt.contains(WORDS) {
-            false if ckpt.contains(&format!("{}.{WORDS}", family.base_prefix)) => {
+        let words = family.word_table();
+        let base = match ckpt.contains(words) {
+            false if ckpt.contains(&format!("{}.{words}", family.base_prefix)) => {
                 format!("{}.", family.base_prefix)
             }
             _ => String::new(),
@@ -645,7 +647,7 @@ impl BertEncoder {
         family.check_tensors(ckpt.names(), &base, cfg)?;
         let vb = ckpt.var_builder(dtype, device);
         let word_dtype = ckpt
-            .stored_dtype(&format!("{base}{WORDS}"))
+            .stored_dtype(&format!("{base}{words}"))
             .filter(|d| dtype == DType::F32 && matches!(d, DType::F16 | DType::BF16));
         // Half-precision matrices are read where the file is mapped for f32 on the CPU.
         let half = (dtype == DType::F32 && device.is_cpu()).then_some(ckpt);
@@ -661,13 +663,27 @@ impl BertEncoder {
         cfg.validate()?;
         let family = EncoderFamily::of_model_type(cfg.model_type.as_deref())?;
         family.check_config(cfg)?;
-        let vb = if !vb.contains_tensor(WORDS)
-            && vb.contains_tensor(&format!("{}.{WORDS}", family.base_prefix))
+        let words = family.word_table();
+        let vb = if !vb.contains_tensor(words)
+            && vb.contains_tensor(&format!("{}.{words}", family.base_prefix))
         {
             vb.pp(family.base_prefix)
         } else {
             vb
         };
+        if family.pre_norm {
+            let raw = cfg.raw.clone().unwrap_or(serde_json::Value::Null);
+            let mcfg = ModernBertConfig::from_raw(&raw, cfg)?;
+            let dtype = vb.dtype();
+            return Ok(Self {
+                embeddings: None,
+                layers: Vec::new(),
+                modern: Some(ModernBert::load(vb, cfg, &mcfg)?),
+                config: cfg.clone(),
+                family,
+                dtype,
+            });
+        }
         let dtype = vb.dtype();
         // The embeddings and the layers load side by side: each layer converts its tensors
         // and packs them for the kernels (or, from a half-precision file, checks its matrices
@@ -686,8 +702,9 @@ impl BertEncoder {
         );
         let (embeddings, layers) = (embeddings?, layers?);
         Ok(Self {
-            embeddings,
+            embeddings: Some(embeddings),
             layers,
+            modern: None,
             config: cfg.clone(),
             family,
             dtype,
@@ -711,7 +728,18 @@ impl BertEncoder {
 
     /// Number of positions the model has.
     pub fn max_positions(&self) -> usize {
-        self.embeddings.max_positions
+        match (&self.embeddings, &self.modern) {
+            (Some(e), _) => e.max_positions,
+            (None, Some(m)) => m.max_positions(),
+            (None, None) => 0,
+        }
+    }
+
+    /// The post-norm form's embeddings.
+    fn embeddings(&self) -> Result<&BertEmbeddings> {
+        self.embeddings
+            .as_ref()
+            .ok_or_else(|| Error::Kernel("a pre-norm encoder has no BERT embeddings".into()))
     }
 
     /// Dtype of the weights.
@@ -786,7 +814,10 @@ impl BertEncoder {
             }
             _ => None,
         };
-        let mut x = self.embeddings.forward(input_ids, token_type_ids)?;
+        if let Some(modern) = &self.modern {
+            return modern.forward(input_ids, attention_mask, output_attentions);
+        }
+        let mut x = self.embeddings()?.forward(input_ids, token_type_ids)?;
         let mut attentions = output_attentions.then(Vec::new);
         for layer in &self.layers {
             let (next, w) =
@@ -825,7 +856,10 @@ impl BertEncoder {
                 format!("shape {:?}", input_ids.dims()),
             ));
         }
-        let x = self.embeddings.forward(input_ids, token_type_ids)?;
+        if let Some(modern) = &self.modern {
+            return modern.trace(input_ids, opts);
+        }
+        let x = self.embeddings()?.forward(input_ids, token_type_ids)?;
         let mut x = graph_input(x, opts.grad)?;
         let mut attentions = Vec::with_capacity(self.layers.len());
         let (mut value_norms, mut probes) = (Vec::new(), Vec::new());
@@ -999,7 +1033,7 @@ mod tests {
         let widened = BertEncoder::load(ckpt.var_builder(DType::F32, &Device::Cpu), &cfg)?;
         if packed::available() {
             assert!(matches!(
-                from_bytes.embeddings.word,
+                from_bytes.embeddings()?.word,
                 WordEmbeddings::Mapped { .. }
             ));
             for layer in &from_bytes.layers {
@@ -1060,8 +1094,8 @@ mod tests {
         }
         let types = ids.zeros_like()?;
         let (ea, eb) = (
-            from_bytes.embeddings.forward_candle(&ids, &types)?,
-            widened.embeddings.forward_candle(&ids, &types)?,
+            from_bytes.embeddings()?.forward_candle(&ids, &types)?,
+            widened.embeddings()?.forward_candle(&ids, &types)?,
         );
         assert_eq!(bits(&ea)?, bits(&eb)?);
         let x = (values(&[2, 3, d], 7)? * 0.5)?;

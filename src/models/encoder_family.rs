@@ -1,7 +1,7 @@
-//! The post-norm encoder families (BERT, RoBERTa / XLM-RoBERTa / CamemBERT, DistilBERT) as
-//! descriptions over one encoder ([`crate::BertEncoder`]): where each keeps its tensors, how
-//! it numbers positions, whether it has token types, and which configuration values it
-//! takes. A field that would change the math in a way the encoder does not implement is an
+//! The encoder families (BERT, RoBERTa / XLM-RoBERTa / CamemBERT, DistilBERT post-norm;
+//! ModernBERT pre-norm) as descriptions over one encoder ([`crate::BertEncoder`]): where each
+//! keeps its tensors, how it numbers positions, whether it has token types, and which
+//! configuration values it takes. A field that would change the math in a way the encoder does not implement is an
 //! error naming it, and so is every tensor of a checkpoint that the encoder would not read.
 //!
 //! Adding a family of the same form (embeddings, then per layer attention, residual +
@@ -86,6 +86,9 @@ pub struct EncoderFamily {
     /// hidden states, buffers): never read, allowed in a checkpoint. Prefixes from the
     /// checkpoint's root, or from the base model's.
     pub outside: &'static [&'static str],
+    /// The pre-norm form (ModernBERT: rotary positions, local windows, GeGLU, a final norm;
+    /// `crate::models::modern_bert`), not BERT's post-norm one.
+    pub pre_norm: bool,
 }
 
 impl EncoderFamily {
@@ -114,6 +117,7 @@ impl EncoderFamily {
             "embeddings.position_ids",
             "embeddings.token_type_ids",
         ],
+        pre_norm: false,
     };
 
     /// RoBERTa, XLM-RoBERTa, CamemBERT: BERT's names, positions from past the padding id.
@@ -157,10 +161,35 @@ impl EncoderFamily {
             "qa_outputs.",
             "embeddings.position_ids",
         ],
+        pre_norm: false,
+    };
+
+    /// ModernBERT: `embeddings.tok_embeddings` + `embeddings.norm`, `layers.N.attn_norm` (not in
+    /// layer 0), `attn.Wqkv`, `attn.Wo`, `mlp_norm`, `mlp.Wi`, `mlp.Wo`, `final_norm`.
+    pub const MODERNBERT: EncoderFamily = EncoderFamily {
+        name: "ModernBERT",
+        model_types: &["modernbert"],
+        base_prefix: "model",
+        layers: "layers",
+        attention: "attn",
+        attention_layout: WeightLayout::ModernBert,
+        attention_norm: "attn_norm",
+        intermediate: "mlp.Wi",
+        output: "mlp.Wo",
+        output_norm: "mlp_norm",
+        token_types: false,
+        positions: PositionIds::FromZero,
+        outside: &["head.", "decoder.", "classifier.", "drop."],
+        pre_norm: true,
     };
 
     /// Every encoder family.
-    pub const ALL: [EncoderFamily; 3] = [Self::BERT, Self::ROBERTA, Self::DISTILBERT];
+    pub const ALL: [EncoderFamily; 4] = [
+        Self::BERT,
+        Self::ROBERTA,
+        Self::DISTILBERT,
+        Self::MODERNBERT,
+    ];
 
     /// The family of a `model_type` (`None`: BERT, as configs without one are).
     pub fn of_model_type(model_type: Option<&str>) -> Result<&'static EncoderFamily> {
@@ -191,6 +220,10 @@ impl EncoderFamily {
                 self.name
             )))
         };
+        if self.pre_norm {
+            // ModernBERT's own fields are read (and refused) with its config.
+            return Ok(());
+        }
         if cfg.position_embedding_type != "absolute" {
             return refuse(
                 "position_embedding_type",
@@ -233,6 +266,14 @@ impl EncoderFamily {
         Ok(())
     }
 
+    /// The word table's name under the base model's root.
+    pub(crate) fn word_table(&self) -> &'static str {
+        match self.pre_norm {
+            true => "embeddings.tok_embeddings.weight",
+            false => "embeddings.word_embeddings.weight",
+        }
+    }
+
     /// The padding id positions count from (0 where the family does not use it).
     pub(crate) fn pad_token_id(&self, cfg: &HfConfig) -> u32 {
         match self.positions {
@@ -252,6 +293,9 @@ impl EncoderFamily {
     /// The names the encoder reads, relative to the base model's root (a LayerNorm's
     /// `gamma`/`beta` are read as `weight`/`bias`).
     fn expected_names(&self, cfg: &HfConfig) -> BTreeSet<String> {
+        if self.pre_norm {
+            return self.pre_norm_names(cfg);
+        }
         let mut names = BTreeSet::new();
         let mut both = |prefix: String| {
             names.insert(format!("{prefix}.weight"));
@@ -280,6 +324,33 @@ impl EncoderFamily {
         }
         for t in tables {
             names.insert(format!("embeddings.{t}.weight"));
+        }
+        names
+    }
+
+    /// ModernBERT's names (each `bias` read where the config has biases: allowed).
+    fn pre_norm_names(&self, cfg: &HfConfig) -> BTreeSet<String> {
+        let mut names = BTreeSet::from(["embeddings.tok_embeddings.weight".to_string()]);
+        let mut both = |prefix: String| {
+            names.insert(format!("{prefix}.weight"));
+            names.insert(format!("{prefix}.bias"));
+        };
+        both("embeddings.norm".into());
+        both("final_norm".into());
+        for i in 0..cfg.num_hidden_layers {
+            let l = format!("{}.{i}", self.layers);
+            if i > 0 {
+                both(format!("{l}.{}", self.attention_norm));
+            }
+            for part in [
+                "attn.Wqkv",
+                "attn.Wo",
+                self.output_norm,
+                self.intermediate,
+                self.output,
+            ] {
+                both(format!("{l}.{part}"));
+            }
         }
         names
     }

@@ -229,6 +229,10 @@ pub struct HfConfig {
     /// encoder unless equal).
     #[serde(default)]
     pub embedding_size: Option<usize>,
+    /// The whole `config.json` as parsed, for the fields of one family only (ModernBERT's);
+    /// `None` for a config built from its fields.
+    #[serde(skip)]
+    pub raw: Option<serde_json::Value>,
 }
 
 impl HfConfig {
@@ -239,8 +243,9 @@ impl HfConfig {
 
     /// Parses and validates the text of a `config.json`.
     pub fn from_json(text: &str) -> Result<Self> {
-        let cfg: HfConfig =
+        let mut cfg: HfConfig =
             serde_json::from_str(text).map_err(|e| Error::config(describe_json_error(text, &e)))?;
+        cfg.raw = serde_json::from_str(text).ok();
         cfg.validate()?;
         Ok(cfg)
     }

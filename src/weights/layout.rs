@@ -45,6 +45,9 @@ pub enum WeightLayout {
     /// Phi-3: `qkv_proj` holding the query, key and value rows one after the other
     /// (`(heads + 2 kv_heads) * head_dim` rows), `o_proj`; the sizes must be stated.
     Phi3,
+    /// ModernBERT: `Wqkv` holding the query, key and value rows one after the other, `Wo`;
+    /// biases where the checkpoint has them; the sizes must be stated.
+    ModernBert,
     /// Single-head self-attention: `query`, `key`, `value` (bias optional), no output
     /// projection; `d_k` may differ from `d_v`.
     Single,
@@ -52,13 +55,14 @@ pub enum WeightLayout {
 
 impl WeightLayout {
     /// Every layout, in the order of their command-line names.
-    pub const ALL: [WeightLayout; 7] = [
+    pub const ALL: [WeightLayout; 8] = [
         WeightLayout::Bert,
         WeightLayout::DistilBert,
         WeightLayout::TorchMha,
         WeightLayout::Gpt2,
         WeightLayout::Llama,
         WeightLayout::Phi3,
+        WeightLayout::ModernBert,
         WeightLayout::Single,
     ];
 
@@ -71,6 +75,7 @@ impl WeightLayout {
             WeightLayout::Gpt2 => "gpt2",
             WeightLayout::Llama => "llama",
             WeightLayout::Phi3 => "phi3",
+            WeightLayout::ModernBert => "modernbert",
             WeightLayout::Single => "single",
         }
     }
@@ -91,6 +96,7 @@ impl WeightLayout {
             WeightLayout::TorchMha
             | WeightLayout::Gpt2
             | WeightLayout::Phi3
+            | WeightLayout::ModernBert
             | WeightLayout::Single => None,
         }
     }
@@ -306,14 +312,18 @@ impl WeightLayout {
                     false,
                 )?),
             }),
-            WeightLayout::Phi3 => {
+            WeightLayout::Phi3 | WeightLayout::ModernBert => {
+                let (qkv_name, o_name) = match self {
+                    WeightLayout::Phi3 => ("qkv_proj", "o_proj"),
+                    _ => ("Wqkv", "Wo"),
+                };
                 let z = s.ok_or_else(|| {
-                    Error::config(
-                        "the phi3 layout splits `qkv_proj` by the stated sizes: give the hidden \
-                         size, heads, kv heads and head dim",
-                    )
+                    Error::config(format!(
+                        "the {self} layout splits `{qkv_name}` by the stated sizes: give the \
+                         hidden size, heads, kv heads and head dim"
+                    ))
                 })?;
-                let qkv = vb.pp("qkv_proj");
+                let qkv = vb.pp(qkv_name);
                 let rows = [q_out, k_out, v_out];
                 let w = weight(
                     &qkv,
@@ -328,12 +338,7 @@ impl WeightLayout {
                     q: LinearWeights::new(wq, bq, format!("{name} (query rows)")),
                     k: LinearWeights::new(wk, bk, format!("{name} (key rows)")),
                     v: LinearWeights::new(wv, bv, format!("{name} (value rows)")),
-                    o: Some(lin(
-                        &vb.pp("o_proj"),
-                        hidden,
-                        z.heads * z.v_head_dim,
-                        false,
-                    )?),
+                    o: Some(lin(&vb.pp(o_name), hidden, z.heads * z.v_head_dim, false)?),
                 })
             }
             WeightLayout::Single => Ok(Projections {
