@@ -10,24 +10,14 @@ use std::path::{Path, PathBuf};
 
 use candle_attention::{argmax_ids, Checkpoint, LlamaModel};
 use candle_core::{DType, Device, IndexOp, Tensor};
-use common::{assert_close, max_abs_diff, repo_path, TempDir};
+use common::{
+    assert_close, ids_in as u32s, largest_abs as largest, max_abs_diff, repo_path, TempDir,
+};
 
 const CASES: [&str; 5] = ["qwen3", "gemma3", "phi3", "gpt2", "pythia"];
 
 fn case_dir(case: &str) -> PathBuf {
     repo_path(&format!("tests/fixtures/decoders/{case}"))
-}
-
-fn largest(t: &Tensor) -> anyhow::Result<f32> {
-    Ok(t.abs()?.max_all()?.to_scalar::<f32>()?)
-}
-
-fn u32s(exp: &Checkpoint, name: &str) -> anyhow::Result<Vec<u32>> {
-    Ok(exp
-        .tensor(name, &Device::Cpu)?
-        .flatten_all()?
-        .to_dtype(DType::U32)?
-        .to_vec1()?)
 }
 
 /// Greedy decoding with the cache (from a small capacity): the ids.
@@ -121,15 +111,7 @@ fn attention_dump_json_matches_transformers() -> anyhow::Result<()> {
         let want = exp.tensor("attentions", &Device::Cpu)?;
         let (l, h, t, _) = want.dims4()?;
         assert_eq!(line["shape"], serde_json::json!([l, h, t, t]), "{case}");
-        let flat: Vec<f32> = line["attentions"]
-            .as_array()
-            .into_iter()
-            .flatten()
-            .flat_map(|a| a.as_array().into_iter().flatten())
-            .flat_map(|a| a.as_array().into_iter().flatten())
-            .flat_map(|a| a.as_array().into_iter().flatten())
-            .filter_map(|v| v.as_f64().map(|v| v as f32))
-            .collect();
+        let flat = common::json_floats(&line["attentions"]);
         let got = Tensor::from_vec(flat, (l, h, t, t), &Device::Cpu)?;
         assert_close(&got, &want, 1e-5, &format!("{case} dump"))?;
     }
@@ -163,30 +145,7 @@ fn edited_copy(
     edit: impl FnOnce(&mut serde_json::Value),
     extra_tensor: Option<&str>,
 ) -> anyhow::Result<TempDir> {
-    let dir = TempDir::new(&format!("{case}-edited"))?;
-    for file in ["tokenizer.json", "config.json", "model.safetensors"] {
-        std::fs::copy(case_dir(case).join(file), dir.0.join(file))?;
-    }
-    let mut cfg: serde_json::Value =
-        serde_json::from_str(&std::fs::read_to_string(dir.0.join("config.json"))?)?;
-    edit(&mut cfg);
-    std::fs::write(dir.0.join("config.json"), cfg.to_string())?;
-    if let Some(name) = extra_tensor {
-        let ckpt = Checkpoint::open(case_dir(case).join("model.safetensors"))?;
-        let mut tensors: Vec<(String, Tensor)> = ckpt
-            .names()
-            .map(|n| Ok((n.to_string(), ckpt.tensor(n, &Device::Cpu)?)))
-            .collect::<anyhow::Result<_>>()?;
-        tensors.push((
-            name.to_string(),
-            Tensor::zeros(4, DType::F32, &Device::Cpu)?,
-        ));
-        candle_core::safetensors::save(
-            &tensors.into_iter().collect(),
-            dir.0.join("model.safetensors"),
-        )?;
-    }
-    Ok(dir)
+    common::edited_model_copy(&case_dir(case), case, edit, extra_tensor)
 }
 
 /// For each family, a field changed to a value the crate does not implement is refused with

@@ -120,36 +120,13 @@ fn padded_batch_matches_transformers() -> anyhow::Result<()> {
     Ok(())
 }
 
-/// A copy of a case's directory with its config edited (and optionally extra tensors).
+/// A copy of a case with its config edited and, optionally, a tensor added.
 fn edited_copy(
     case: &str,
     edit: impl FnOnce(&mut serde_json::Value),
     extra_tensor: Option<&str>,
 ) -> anyhow::Result<TempDir> {
-    let dir = TempDir::new(&format!("{case}-edited"))?;
-    for file in ["tokenizer.json", "config.json", "model.safetensors"] {
-        std::fs::copy(case_dir(case).join(file), dir.0.join(file))?;
-    }
-    let mut cfg: serde_json::Value =
-        serde_json::from_str(&std::fs::read_to_string(dir.0.join("config.json"))?)?;
-    edit(&mut cfg);
-    std::fs::write(dir.0.join("config.json"), cfg.to_string())?;
-    if let Some(name) = extra_tensor {
-        let ckpt = Checkpoint::open(case_dir(case).join("model.safetensors"))?;
-        let mut tensors: Vec<(String, Tensor)> = ckpt
-            .names()
-            .map(|n| Ok((n.to_string(), ckpt.tensor(n, &Device::Cpu)?)))
-            .collect::<anyhow::Result<_>>()?;
-        tensors.push((
-            name.to_string(),
-            Tensor::zeros(4, DType::F32, &Device::Cpu)?,
-        ));
-        candle_core::safetensors::save(
-            &tensors.into_iter().collect(),
-            dir.0.join("model.safetensors"),
-        )?;
-    }
-    Ok(dir)
+    common::edited_model_copy(&case_dir(case), case, edit, extra_tensor)
 }
 
 /// A field that changes the math to a value the crate does not implement is refused with
@@ -254,15 +231,7 @@ fn attention_dump_json_matches_transformers() -> anyhow::Result<()> {
             let (l, h, t, _) = want.dims4()?;
             assert_eq!(line["shape"], serde_json::json!([l, h, t, t]), "{case} {i}");
             assert_eq!(line["tokens"].as_array().map(Vec::len), Some(t));
-            let flat: Vec<f32> = line["attentions"]
-                .as_array()
-                .into_iter()
-                .flatten()
-                .flat_map(|a| a.as_array().into_iter().flatten())
-                .flat_map(|a| a.as_array().into_iter().flatten())
-                .flat_map(|a| a.as_array().into_iter().flatten())
-                .filter_map(|v| v.as_f64().map(|v| v as f32))
-                .collect();
+            let flat = common::json_floats(&line["attentions"]);
             let got = Tensor::from_vec(flat, (l, h, t, t), &Device::Cpu)?;
             assert_close(&got, &want, 1e-5, &format!("{case} dump {i}"))?;
         }

@@ -650,7 +650,7 @@ fn unknown_layout_name_is_config_error() {
         &err,
         &[
             "t5",
-            "bert, distilbert, torch-mha, gpt2, llama, phi3, modernbert, single",
+            "bert, distilbert, torch-mha, gpt2, llama, phi3, modernbert, gpt-neox, single",
         ],
     );
 }

@@ -9,21 +9,9 @@ mod common;
 
 use candle_attention::{argmax_ids, Checkpoint, LlamaModel};
 use candle_core::{DType, Device, Tensor};
-use common::{assert_close, max_abs_diff, repo_path};
+use common::{assert_close, ids_in as u32s, largest_abs as largest, max_abs_diff, repo_path};
 
 const CASES: [&str; 4] = ["gpt2", "pythia", "phi3", "qwen3"];
-
-fn largest(t: &Tensor) -> anyhow::Result<f32> {
-    Ok(t.abs()?.max_all()?.to_scalar::<f32>()?)
-}
-
-fn u32s(exp: &Checkpoint, name: &str) -> anyhow::Result<Vec<u32>> {
-    Ok(exp
-        .tensor(name, &Device::Cpu)?
-        .flatten_all()?
-        .to_dtype(DType::U32)?
-        .to_vec1()?)
-}
 
 #[test]
 fn quantized_files_equal_transformers_on_their_dequantized_weights() -> anyhow::Result<()> {

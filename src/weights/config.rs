@@ -136,17 +136,32 @@ impl AttentionConfig {
         self
     }
 
-    /// The attention config of a Hugging Face model config (layout from `model_type`).
+    /// The attention config of a Hugging Face model config (layout from `model_type`). The
+    /// layer holds the projections; what a decoder does around them (rotary embeddings,
+    /// Qwen3's and Gemma 3's per-head q/k norms between `project_qkv` and the rotation) is
+    /// the caller's, as [`crate::LlamaModel`] does it.
     pub fn from_hf(cfg: &HfConfig) -> Result<Self> {
         let layout = cfg.layout()?;
         let heads = cfg.num_attention_heads;
+        // The fused layouts split their rows by the stated sizes.
+        let fused = matches!(
+            layout,
+            WeightLayout::Phi3 | WeightLayout::ModernBert | WeightLayout::GptNeoX
+        );
+        let gemma = cfg.model_type.as_deref() == Some("gemma3_text");
         Ok(Self {
             layout,
             num_heads: heads,
             num_kv_heads: cfg.num_key_value_heads,
-            causal: matches!(layout, WeightLayout::Gpt2 | WeightLayout::Llama),
-            scale: None,
-            hidden_size: None,
+            causal: matches!(
+                layout,
+                WeightLayout::Gpt2
+                    | WeightLayout::Llama
+                    | WeightLayout::Phi3
+                    | WeightLayout::GptNeoX
+            ),
+            scale: gemma.then(|| cfg.query_pre_attn_scalar.unwrap_or(256.0).powf(-0.5)),
+            hidden_size: fused.then_some(cfg.hidden_size),
             head_dim: cfg.head_dim,
             v_head_dim: None,
             bias: None,
@@ -229,6 +244,9 @@ pub struct HfConfig {
     /// encoder unless equal).
     #[serde(default)]
     pub embedding_size: Option<usize>,
+    /// Gemma: the attention scale is `query_pre_attn_scalar^-1/2`.
+    #[serde(default)]
+    pub query_pre_attn_scalar: Option<f64>,
     /// The whole `config.json` as parsed, for the fields of one family only (ModernBERT's);
     /// `None` for a config built from its fields.
     #[serde(skip)]
@@ -298,9 +316,13 @@ impl HfConfig {
             "bert" | "roberta" | "xlm-roberta" | "camembert" | "electra" => Ok(WeightLayout::Bert),
             "distilbert" => Ok(WeightLayout::DistilBert),
             "gpt2" => Ok(WeightLayout::Gpt2),
-            "llama" | "mistral" | "qwen2" | "qwen3" => Ok(WeightLayout::Llama),
+            "llama" | "mistral" | "qwen2" | "qwen3" | "gemma3_text" => Ok(WeightLayout::Llama),
+            "phi3" => Ok(WeightLayout::Phi3),
+            "modernbert" => Ok(WeightLayout::ModernBert),
+            "gpt_neox" => Ok(WeightLayout::GptNeoX),
             other => Err(Error::config(format!(
-                "model_type `{other}` has no known attention layout (bert, distilbert, gpt2, llama families)"
+                "model_type `{other}` has no known attention layout (bert, distilbert, gpt2, \
+                 llama, phi3, modernbert, gpt_neox families)"
             ))),
         }
     }

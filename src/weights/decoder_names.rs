@@ -326,3 +326,50 @@ mod tests {
         Ok(())
     }
 }
+
+#[cfg(test)]
+mod layout_tests {
+    use super::*;
+    use crate::weights::layout::{LayerSizes, WeightLayout};
+    use candle_nn::VarBuilder;
+
+    /// `WeightLayout::GptNeoX` (a Candle user's layer on Pythia's own names) reads the same
+    /// projections as the decoder's renaming of the same checkpoint.
+    #[test]
+    fn the_gpt_neox_layout_equals_the_renamed_checkpoint() -> Result<()> {
+        let path = std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
+            .join("tests/fixtures/decoders/pythia/model.safetensors");
+        let ckpt = Checkpoint::open(&path)?;
+        let (d, heads) = (64, 4);
+        let sizes = LayerSizes {
+            hidden: d,
+            heads,
+            kv_heads: heads,
+            head_dim: d / heads,
+            v_head_dim: d / heads,
+            bias: true,
+        };
+        let vb = ckpt.var_builder(DType::F32, &Device::Cpu);
+        let p = WeightLayout::GptNeoX
+            .load_sized(&vb.pp("gpt_neox.layers.1.attention"), Some(&sizes))?;
+        let renamed = RenamedWeights::new(ckpt.clone(), Renaming::GptNeoX, heads, d / heads);
+        let rvb = VarBuilder::from_backend(Box::new(renamed), DType::F32, Device::Cpu);
+        let a = rvb.pp("model.layers.1.self_attn");
+        for (got, name) in [(&p.q, "q_proj"), (&p.k, "k_proj"), (&p.v, "v_proj")] {
+            let want = a.pp(name).get((d, d), "weight")?;
+            let diff = (&got.weight - &want)?
+                .abs()?
+                .max_all()?
+                .to_scalar::<f32>()?;
+            assert_eq!(diff, 0.0, "{name} weight");
+            let want_b = a.pp(name).get(d, "bias")?;
+            let got_b = got
+                .bias
+                .as_ref()
+                .ok_or_else(|| Error::Kernel("no bias".into()))?;
+            let diff = (got_b - &want_b)?.abs()?.max_all()?.to_scalar::<f32>()?;
+            assert_eq!(diff, 0.0, "{name} bias");
+        }
+        Ok(())
+    }
+}

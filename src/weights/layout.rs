@@ -48,6 +48,10 @@ pub enum WeightLayout {
     /// ModernBERT: `Wqkv` holding the query, key and value rows one after the other, `Wo`;
     /// biases where the checkpoint has them; the sizes must be stated.
     ModernBert,
+    /// GPT-NeoX / Pythia: `query_key_value` with each head's query, key and value rows
+    /// together (head `h`'s `3 * head_dim` rows, then head `h + 1`'s), `dense`; the sizes
+    /// must be stated.
+    GptNeoX,
     /// Single-head self-attention: `query`, `key`, `value` (bias optional), no output
     /// projection; `d_k` may differ from `d_v`.
     Single,
@@ -55,7 +59,7 @@ pub enum WeightLayout {
 
 impl WeightLayout {
     /// Every layout, in the order of their command-line names.
-    pub const ALL: [WeightLayout; 8] = [
+    pub const ALL: [WeightLayout; 9] = [
         WeightLayout::Bert,
         WeightLayout::DistilBert,
         WeightLayout::TorchMha,
@@ -63,6 +67,7 @@ impl WeightLayout {
         WeightLayout::Llama,
         WeightLayout::Phi3,
         WeightLayout::ModernBert,
+        WeightLayout::GptNeoX,
         WeightLayout::Single,
     ];
 
@@ -76,6 +81,7 @@ impl WeightLayout {
             WeightLayout::Llama => "llama",
             WeightLayout::Phi3 => "phi3",
             WeightLayout::ModernBert => "modernbert",
+            WeightLayout::GptNeoX => "gpt-neox",
             WeightLayout::Single => "single",
         }
     }
@@ -97,6 +103,7 @@ impl WeightLayout {
             | WeightLayout::Gpt2
             | WeightLayout::Phi3
             | WeightLayout::ModernBert
+            | WeightLayout::GptNeoX
             | WeightLayout::Single => None,
         }
     }
@@ -312,6 +319,43 @@ impl WeightLayout {
                     false,
                 )?),
             }),
+            WeightLayout::GptNeoX => {
+                let z = s.filter(|z| z.kv_heads == z.heads).ok_or_else(|| {
+                    Error::config(
+                        "the gpt-neox layout splits `query_key_value` per head by the stated \
+                         sizes (as many key/value heads as query heads): give the hidden size, \
+                         heads and head dim",
+                    )
+                })?;
+                let (h, hd) = (z.heads, z.head_dim);
+                let qkv = vb.pp("query_key_value");
+                let w = weight(&qkv, "weight", Some(Sized::out_in(3 * h * hd, z.hidden)))?;
+                let b = opt_bias(&qkv, "bias", 3 * h * hd, None)?;
+                // (h, 3, hd, ...): part p of every head, in head order.
+                let part = |t: &Tensor, p: usize| -> Result<Tensor> {
+                    let rest: Vec<usize> = t.dims()[1..].to_vec();
+                    let mut shape = vec![h, 3, hd];
+                    shape.extend(&rest);
+                    let mut out = vec![h * hd];
+                    out.extend(&rest);
+                    Ok(t.reshape(shape)?.narrow(1, p, 1)?.reshape(out)?)
+                };
+                let name = full_name(&qkv, "weight");
+                let proj = |p: usize, what: &str| -> Result<LinearWeights> {
+                    let bias = b.as_ref().map(|b| part(b, p)).transpose()?;
+                    Ok(LinearWeights::new(
+                        part(&w, p)?,
+                        bias,
+                        format!("{name} ({what} rows of each head)"),
+                    ))
+                };
+                Ok(Projections {
+                    q: proj(0, "query")?,
+                    k: proj(1, "key")?,
+                    v: proj(2, "value")?,
+                    o: Some(lin(&vb.pp("dense"), hidden, h * z.v_head_dim, false)?),
+                })
+            }
             WeightLayout::Phi3 | WeightLayout::ModernBert => {
                 let (qkv_name, o_name) = match self {
                     WeightLayout::Phi3 => ("qkv_proj", "o_proj"),

@@ -368,3 +368,52 @@ pub fn add_chat_template(dir: &TempDir) -> anyhow::Result<()> {
     )?;
     Ok(())
 }
+
+/// A copy of a model directory (`tokenizer.json`, `config.json`, `model.safetensors`) with
+/// its config edited and, optionally, a zero tensor `extra_tensor` added to its checkpoint:
+/// the refusal tests' input.
+pub fn edited_model_copy(
+    dir: &Path,
+    tag: &str,
+    edit: impl FnOnce(&mut Value),
+    extra_tensor: Option<&str>,
+) -> anyhow::Result<TempDir> {
+    let out = TempDir::new(&format!("{tag}-edited"))?;
+    for file in ["tokenizer.json", "config.json", "model.safetensors"] {
+        std::fs::copy(dir.join(file), out.0.join(file))?;
+    }
+    let mut cfg: Value =
+        serde_json::from_str(&std::fs::read_to_string(out.0.join("config.json"))?)?;
+    edit(&mut cfg);
+    std::fs::write(out.0.join("config.json"), cfg.to_string())?;
+    if let Some(name) = extra_tensor {
+        let ckpt = Checkpoint::open(dir.join("model.safetensors"))?;
+        let mut tensors: Vec<(String, Tensor)> = ckpt
+            .names()
+            .map(|n| Ok((n.to_string(), ckpt.tensor(n, &Device::Cpu)?)))
+            .collect::<anyhow::Result<_>>()?;
+        tensors.push((
+            name.to_string(),
+            Tensor::zeros(4, DType::F32, &Device::Cpu)?,
+        ));
+        candle_core::safetensors::save(
+            &tensors.into_iter().collect(),
+            out.0.join("model.safetensors"),
+        )?;
+    }
+    Ok(out)
+}
+
+/// The largest absolute value of `t`.
+pub fn largest_abs(t: &Tensor) -> anyhow::Result<f32> {
+    Ok(t.abs()?.max_all()?.to_scalar::<f32>()?)
+}
+
+/// A tensor of ids in a checkpoint, flattened, as `u32`.
+pub fn ids_in(ckpt: &Checkpoint, name: &str) -> anyhow::Result<Vec<u32>> {
+    Ok(ckpt
+        .tensor(name, &Device::Cpu)?
+        .flatten_all()?
+        .to_dtype(DType::U32)?
+        .to_vec1()?)
+}
