@@ -1,5 +1,6 @@
 //! `set_int8_activations` (process-wide, so in a test binary of its own): the tiny GGUF
-//! decoders (Q8_0, Q4_1; `scripts/gen_gguf_fixtures.py`) run prompts and decode steps with
+//! decoders (Q8_0, Q4_1; `scripts/gen_gguf_fixtures.py`, `scripts/gen_gguf_family_fixtures.py`)
+//! run prompts and decode steps with
 //! 8-bit activations to logits close to the exact ones, and switching it off gives the exact ones back bit for
 //! bit.
 
@@ -32,8 +33,19 @@ fn decode_logits(model: &LlamaModel, prompt: usize) -> anyhow::Result<Vec<f32>> 
 #[test]
 fn int8_activations_stay_close_and_switch_off_exactly() -> anyhow::Result<()> {
     assert!(!int8_activations(), "off by default");
-    for case in ["llama_gqa", "qwen2_tied"] {
-        for (ty, prompt) in [("q8_0", 3), ("q4_1", 3), ("q8_0", 30), ("q4_1", 30)] {
+    // The LLaMA-family files, and Qwen3's and Gemma 3's (q/k norms, Gemma's GeGLU and
+    // sandwich norms: the tensor path, not the decode step's) from
+    // scripts/gen_gguf_family_fixtures.py.
+    let files = [
+        ("llama_gqa", "q8_0"),
+        ("llama_gqa", "q4_1"),
+        ("qwen2_tied", "q8_0"),
+        ("qwen2_tied", "q4_1"),
+        ("qwen3", "q8_0"),
+        ("gemma3", "q8_0"),
+    ];
+    for (case, ty) in files {
+        for prompt in [3, 30] {
             let path = repo_path(&format!("tests/fixtures/gguf/{case}.{ty}.gguf"));
             let model = LlamaModel::from_gguf(&path, DType::F32, &Device::Cpu)?;
             let exact = decode_logits(&model, prompt)?;
