@@ -276,3 +276,22 @@ fn embeddings_pool_as_the_model_says() -> anyhow::Result<()> {
     assert_close(&got, &unit, 1e-4, "roberta CLS pooling, normalized")?;
     Ok(())
 }
+
+/// ModernBERT's window, rotary bases and norms come from its parsed `config.json`: a config
+/// built from fields alone is refused rather than filled with defaults.
+#[test]
+fn modernbert_without_its_parsed_config_is_refused() -> anyhow::Result<()> {
+    let dir = case_dir("modernbert");
+    let text = std::fs::read_to_string(dir.join("config.json"))?;
+    let from_fields: candle_attention::HfConfig = serde_json::from_str(&text)?;
+    let ckpt = Checkpoint::open(dir.join("model.safetensors"))?;
+    let vb = ckpt.var_builder(DType::F32, &Device::Cpu);
+    let err = match candle_attention::BertEncoder::load(vb.clone(), &from_fields) {
+        Ok(_) => anyhow::bail!("a ModernBERT config without its file was accepted"),
+        Err(e) => e.to_string(),
+    };
+    assert!(err.contains("ModernBERT config"), "{err}");
+    let parsed = candle_attention::HfConfig::from_json(&text)?;
+    candle_attention::BertEncoder::load(vb, &parsed)?;
+    Ok(())
+}

@@ -13,22 +13,32 @@ use common::{assert_close, ids_in as u32s, largest_abs as largest, max_abs_diff,
 
 const CASES: [&str; 4] = ["gpt2", "pythia", "phi3", "qwen3"];
 
+/// A GGUF file's model, its prompt (from `expected`) and the prompt's logits `(seq, vocab)`.
+fn prompt_logits(
+    file: &str,
+    expected: &str,
+) -> anyhow::Result<(LlamaModel, Checkpoint, Tensor, Tensor)> {
+    let dev = Device::Cpu;
+    let model = LlamaModel::from_gguf(repo_path(file), DType::F32, &dev)?;
+    let exp = Checkpoint::open(repo_path(expected))?;
+    let prompt = u32s(&exp, "input_ids")?;
+    let ids = Tensor::new(prompt.as_slice(), &dev)?.unsqueeze(0)?;
+    let mut caches = model.new_caches(prompt.len());
+    let logits = model.forward(&ids, &mut caches)?.squeeze(0)?;
+    let want = exp.tensor("logits", &dev)?;
+    let d = max_abs_diff(&logits, &want)?;
+    assert!(d <= 1e-4 * largest(&want)?, "{file}: logits off by {d:e}");
+    Ok((model, exp, ids, logits))
+}
+
 #[test]
 fn quantized_files_equal_transformers_on_their_dequantized_weights() -> anyhow::Result<()> {
     let dev = Device::Cpu;
     for case in CASES {
-        let file = repo_path(&format!("tests/fixtures/gguf/{case}.q8_0.gguf"));
-        let model = LlamaModel::from_gguf(&file, DType::F32, &dev)?;
-        let exp = Checkpoint::open(repo_path(&format!(
-            "tests/fixtures/gguf/{case}.q8_0/expected.safetensors"
-        )))?;
-        let prompt = u32s(&exp, "input_ids")?;
-        let ids = Tensor::new(prompt.as_slice(), &dev)?.unsqueeze(0)?;
-        let mut caches = model.new_caches(prompt.len());
-        let logits = model.forward(&ids, &mut caches)?.squeeze(0)?;
-        let want = exp.tensor("logits", &dev)?;
-        let d = max_abs_diff(&logits, &want)?;
-        assert!(d <= 1e-4 * largest(&want)?, "{case}: logits off by {d:e}");
+        let (model, exp, ids, _) = prompt_logits(
+            &format!("tests/fixtures/gguf/{case}.q8_0.gguf"),
+            &format!("tests/fixtures/gguf/{case}.q8_0/expected.safetensors"),
+        )?;
         let att = Tensor::stack(&model.attentions(&ids)?, 0)?.squeeze(1)?;
         assert_close(&att, &exp.tensor("attentions", &dev)?, 1e-5, case)?;
         let want_ids = u32s(&exp, "generated_ids")?;
@@ -45,20 +55,11 @@ fn quantized_files_equal_transformers_on_their_dequantized_weights() -> anyhow::
 
 #[test]
 fn f32_files_equal_the_source_checkpoints() -> anyhow::Result<()> {
-    let dev = Device::Cpu;
     for case in CASES {
-        let file = repo_path(&format!("tests/fixtures/gguf/{case}.f32.gguf"));
-        let model = LlamaModel::from_gguf(&file, DType::F32, &dev)?;
-        let exp = Checkpoint::open(repo_path(&format!(
-            "tests/fixtures/decoders/{case}/expected.safetensors"
-        )))?;
-        let prompt = u32s(&exp, "input_ids")?;
-        let ids = Tensor::new(prompt.as_slice(), &dev)?.unsqueeze(0)?;
-        let mut caches = model.new_caches(prompt.len());
-        let logits = model.forward(&ids, &mut caches)?.squeeze(0)?;
-        let want = exp.tensor("logits", &dev)?;
-        let d = max_abs_diff(&logits, &want)?;
-        assert!(d <= 1e-4 * largest(&want)?, "{case}: logits off by {d:e}");
+        prompt_logits(
+            &format!("tests/fixtures/gguf/{case}.f32.gguf"),
+            &format!("tests/fixtures/decoders/{case}/expected.safetensors"),
+        )?;
     }
     Ok(())
 }

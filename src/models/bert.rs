@@ -672,8 +672,14 @@ impl BertEncoder {
             vb
         };
         if family.pre_norm {
-            let raw = cfg.raw.clone().unwrap_or(serde_json::Value::Null);
-            let mcfg = ModernBertConfig::from_raw(&raw, cfg)?;
+            // Its window, rotary bases and norms are read from the parsed file, never guessed.
+            let raw = cfg.raw.as_ref().ok_or_else(|| {
+                Error::config(
+                    "a ModernBERT config needs its config.json as parsed \
+                     (HfConfig::from_json / from_file), not one built from fields",
+                )
+            })?;
+            let mcfg = ModernBertConfig::from_raw(raw, cfg)?;
             let dtype = vb.dtype();
             return Ok(Self {
                 embeddings: None,

@@ -16,6 +16,7 @@ use std::collections::BTreeSet;
 use serde_json::{json, Value};
 
 use crate::error::{Error, Result};
+use crate::weights::checkpoint::refuse_unread;
 use crate::weights::decoder_names::Renaming;
 
 /// The norms of a layer.
@@ -325,19 +326,14 @@ impl DecoderFamily {
                 return refuse("qk_layernorm", v, "this family has no q/k norms");
             }
         }
-        if self.window == WindowRule::LayerTypes || raw.get("layer_types").is_some() {
-            if let Some(types) = raw.get("layer_types").and_then(Value::as_array) {
-                for t in types {
-                    match t.as_str() {
-                        Some("full_attention" | "sliding_attention") => {}
-                        _ => {
-                            return refuse(
-                                "layer_types",
-                                t,
-                                "only full_attention and sliding_attention are implemented",
-                            )
-                        }
-                    }
+        if let Some(types) = raw.get("layer_types").and_then(Value::as_array) {
+            for t in types {
+                if !matches!(t.as_str(), Some("full_attention" | "sliding_attention")) {
+                    return refuse(
+                        "layer_types",
+                        t,
+                        "only full_attention and sliding_attention are implemented",
+                    );
                 }
             }
         }
@@ -424,25 +420,18 @@ impl DecoderFamily {
         tied: bool,
     ) -> Result<()> {
         let expected = self.expected_names(layers, tied);
-        let mut unused: Vec<&str> = names
+        let unused: Vec<&str> = names
             .filter(|n| {
                 let read = expected.contains(*n) || (tied && *n == "lm_head.weight");
                 !(read || n.ends_with("rotary_emb.inv_freq"))
             })
             .collect();
-        if unused.is_empty() {
-            return Ok(());
-        }
-        unused.sort_unstable();
-        let shown = unused.len().min(12);
-        Err(Error::config(format!(
-            "the checkpoint has {} tensor(s) a {} decoder of {layers} layers does not read, so \
-             its outputs would not be the checkpoint's: {}{}",
-            unused.len(),
-            self.name,
-            unused[..shown].join(", "),
-            if unused.len() > shown { ", ..." } else { "" }
-        )))
+        refuse_unread(&self.describe(layers), unused)
+    }
+
+    /// `a Gemma 3 decoder of 18 layers`, for messages.
+    pub(crate) fn describe(&self, layers: usize) -> String {
+        format!("a {} decoder of {layers} layers", self.name)
     }
 }
 

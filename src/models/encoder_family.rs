@@ -12,6 +12,7 @@
 use std::collections::BTreeSet;
 
 use crate::error::{Error, Result};
+use crate::weights::checkpoint::refuse_unread;
 use crate::weights::config::HfConfig;
 use crate::weights::layout::WeightLayout;
 
@@ -365,7 +366,7 @@ impl EncoderFamily {
         cfg: &HfConfig,
     ) -> Result<()> {
         let expected = self.expected_names(cfg);
-        let mut unused: Vec<String> = names
+        let unused: Vec<&str> = names
             .filter(|&name| {
                 let inner = name.strip_prefix(base).unwrap_or(name);
                 let outside = |n: &str| self.outside.iter().any(|o| n.starts_with(o));
@@ -379,22 +380,12 @@ impl EncoderFamily {
                 };
                 !(read || outside(inner) || outside(name))
             })
-            .map(str::to_string)
             .collect();
-        if unused.is_empty() {
-            return Ok(());
-        }
-        unused.sort();
-        let shown = unused.len().min(12);
-        Err(Error::config(format!(
-            "the checkpoint has {} tensor(s) a {} encoder of {} layers does not read, so its \
-             outputs would not be the checkpoint's: {}{}",
-            unused.len(),
-            self.name,
-            cfg.num_hidden_layers,
-            unused[..shown].join(", "),
-            if unused.len() > shown { ", ..." } else { "" }
-        )))
+        let model = format!(
+            "a {} encoder of {} layers",
+            self.name, cfg.num_hidden_layers
+        );
+        refuse_unread(&model, unused)
     }
 }
 

@@ -30,6 +30,7 @@ use crate::models::decoder_family::{DecoderFamily, NormKind, WindowRule};
 use crate::models::kv_cache::KvCache;
 use crate::models::rope::{RopeConfig, RopeLayout, RopeScaling, RotaryEmbedding};
 use crate::models::trace::{graph_input, probe, ForwardTrace, TraceOptions};
+use crate::weights::checkpoint::refuse_unread;
 use crate::weights::config::{read_config_file, AttentionConfig};
 use crate::weights::decoder_names::RenamedWeights;
 use crate::weights::gguf::GgufFile;
@@ -1101,11 +1102,8 @@ impl LlamaModel {
         let names: std::collections::BTreeSet<&str> = ckpt.names().collect();
         let expected = family.expected_names(cfg.num_hidden_layers, tied);
         let read = renaming.sources(expected.iter(), &names);
-        family.check_tensors(
-            names.iter().copied().filter(|n| !read.contains(*n)),
-            cfg.num_hidden_layers,
-            tied,
-        )?;
+        let unread: Vec<&str> = names.into_iter().filter(|n| !read.contains(*n)).collect();
+        refuse_unread(&family.describe(cfg.num_hidden_layers), unread)?;
         Self::load(vb, cfg)
     }
 
@@ -1138,14 +1136,13 @@ impl LlamaModel {
             .iter()
             .filter_map(|n| gguf_layout::gguf_source(n, arch))
             .collect();
-        cfg.family.check_tensors(
-            file.tensors()
-                .iter()
-                .map(|t| t.name.as_str())
-                .filter(|n| !read.contains(*n) && *n != "rope_freqs.weight"),
-            cfg.num_hidden_layers,
-            tied,
-        )?;
+        let unread: Vec<&str> = file
+            .tensors()
+            .iter()
+            .map(|t| t.name.as_str())
+            .filter(|n| !read.contains(*n) && *n != "rope_freqs.weight")
+            .collect();
+        refuse_unread(&cfg.family.describe(cfg.num_hidden_layers), unread)?;
         let weights = gguf_layout::GgufLlamaWeights::new(file.clone(), &raw)?;
         let vb = VarBuilder::from_backend(Box::new(weights), dtype, device.clone());
         Self::load_from(vb, &cfg, Some(file))

@@ -18,6 +18,24 @@ use crate::error::{Error, Result};
 use crate::kernels::decode::widen::widen_half_bytes;
 use crate::kernels::gemm::matrix::{HalfRows, HalfSource};
 
+/// The error for a checkpoint's tensors that `model` (`a BERT encoder of 6 layers`) would
+/// not read, so that its outputs would not be the checkpoint's; `Ok` when there are none.
+pub(crate) fn refuse_unread<S: AsRef<str>>(model: &str, unread: Vec<S>) -> Result<()> {
+    let mut unread: Vec<&str> = unread.iter().map(AsRef::as_ref).collect();
+    if unread.is_empty() {
+        return Ok(());
+    }
+    unread.sort_unstable();
+    let shown = unread.len().min(12);
+    Err(Error::config(format!(
+        "the checkpoint has {} tensor(s) {model} does not read, so its outputs would not be \
+         the checkpoint's: {}{}",
+        unread.len(),
+        unread[..shown].join(", "),
+        if unread.len() > shown { ", ..." } else { "" }
+    )))
+}
+
 /// Most tensor names listed in a [`Error::MissingTensor`] message.
 const MAX_LISTED: usize = 32;
 

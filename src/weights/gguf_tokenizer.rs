@@ -231,6 +231,27 @@ struct Parts {
     model: Value,
 }
 
+/// A SentencePiece vocabulary's added tokens: the control and `named` ones special, the
+/// user-defined ones that `keep` accepts not.
+fn sentencepiece_added(
+    tokens: &[&str],
+    types: &[i64],
+    named: &[Option<(u64, &str)>],
+    keep: impl Fn(&str) -> bool,
+) -> Vec<Value> {
+    let mut added = Vec::new();
+    for (id, t) in tokens.iter().enumerate() {
+        let kind = types.get(id).copied().unwrap_or(1);
+        let is_named = named.iter().flatten().any(|&(n, _)| n as usize == id);
+        if kind == CONTROL || is_named {
+            added.push(added_token(id, t, true));
+        } else if kind == USER_DEFINED && keep(t) {
+            added.push(added_token(id, t, false));
+        }
+    }
+    added
+}
+
 fn added_token(id: usize, content: &str, special: bool) -> Value {
     json!({
         "id": id, "content": content, "single_word": false, "lstrip": false,
@@ -301,18 +322,8 @@ fn sentencepiece(
     for (id, t) in tokens.iter().enumerate() {
         vocab.insert(t.to_string(), json!(id));
     }
-    let mut added = Vec::new();
-    for (id, t) in tokens.iter().enumerate() {
-        let kind = types.get(id).copied().unwrap_or(1);
-        let is_named = named.iter().flatten().any(|&(n, _)| n as usize == id);
-        if kind == CONTROL || is_named {
-            added.push(added_token(id, t, true));
-        } else if kind == USER_DEFINED {
-            added.push(added_token(id, t, false));
-        }
-    }
     Parts {
-        added,
+        added: sentencepiece_added(tokens, types, named, |_| true),
         normalizer: Value::Null,
         pre_tokenizer: json!({"type": "Metaspace", "replacement": "\u{2581}", "prepend_scheme": "first", "split": false}),
         decoder: json!({"type": "Sequence", "decoders": [
@@ -365,16 +376,8 @@ fn gemma(
             .map(|(a, b)| json!([a, b]))
             .collect()
     });
-    let mut added = Vec::new();
-    for (id, t) in tokens.iter().enumerate() {
-        let kind = types.get(id).copied().unwrap_or(1);
-        let is_named = named.iter().flatten().any(|&(n, _)| n as usize == id);
-        if kind == CONTROL || is_named {
-            added.push(added_token(id, t, true));
-        } else if kind == USER_DEFINED && vocab.contains_key(*t) {
-            added.push(added_token(id, t, false));
-        }
-    }
+    // A user-defined token is looked up in its stored spelling (respelled ones drop out).
+    let added = sentencepiece_added(tokens, types, named, |t| vocab.contains_key(t));
     Parts {
         added,
         normalizer: json!({"type": "Replace", "pattern": {"String": " "}, "content": "\u{2581}"}),
