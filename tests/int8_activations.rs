@@ -34,8 +34,7 @@ fn decode_logits(model: &LlamaModel, prompt: usize) -> anyhow::Result<Vec<f32>> 
 fn int8_activations_stay_close_and_switch_off_exactly() -> anyhow::Result<()> {
     assert!(!int8_activations(), "off by default");
     // The LLaMA-family files, and Qwen3's and Gemma 3's (q/k norms, Gemma's GeGLU and
-    // sandwich norms: the tensor path, not the decode step's) from
-    // scripts/gen_gguf_family_fixtures.py.
+    // sandwich norms) from scripts/gen_gguf_family_fixtures.py.
     let files = [
         ("llama_gqa", "q8_0"),
         ("llama_gqa", "q4_1"),

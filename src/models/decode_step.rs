@@ -1,5 +1,7 @@
 //! A decode step of a LLaMA-family layer whose projections are GGUF blocks on the CPU: one
-//! token, batch 1, on plain f32 buffers. The tensor path makes ~25 candle ops a layer around
+//! token, batch 1, on plain f32 buffers; with the switches of the families that keep LLaMA's
+//! layer shape (Qwen3's and Gemma 3's per-head q/k norms, Gemma's norms of the attention's
+//! and MLP's outputs, a GELU-gated MLP, a scale of the scores apart from `head_dim^-1/2`). The tensor path makes ~25 candle ops a layer around
 //! its products (norms, reshapes, the rotary embedding, views, adds), ~14 us a layer at
 //! SmolLM2's size, a tenth of a decode step (see docs/performance.md). This path calls the
 //! same kernels on the same values in the same order, so its logits are the tensor path's
@@ -12,6 +14,7 @@ use crate::attention::sdpa::{scaled_dot_product_attention, SdpaOptions};
 use crate::error::{Error, Result};
 use crate::kernels::decode::one_query;
 use crate::kernels::rms_norm::rms_norm_rows;
+use crate::models::bert::Activation;
 use crate::models::kv_cache::KvCache;
 use crate::models::rope::{RopeRow, RotaryEmbedding};
 use crate::weights::quantized::QuantWeight;
@@ -29,15 +32,33 @@ pub(crate) struct StepAttention {
     pub(crate) head_dim: usize,
 }
 
+/// A layer's RMS norms as the tensor path holds them.
+pub(crate) struct StepNorms<'a> {
+    /// The attention's input norm.
+    pub(crate) input: &'a RmsNorm,
+    /// The MLP's input norm.
+    pub(crate) post: &'a RmsNorm,
+    /// Per-head norms of the queries and keys before the rotation (Qwen3, Gemma 3).
+    pub(crate) qk: Option<&'a (RmsNorm, RmsNorm)>,
+    /// Norms of the attention's and the MLP's outputs before their residual adds (Gemma).
+    pub(crate) out: Option<&'a (RmsNorm, RmsNorm)>,
+}
+
 /// A layer's weights as the decode step reads them.
 #[derive(Debug, Clone)]
 pub(crate) struct DecodeStep {
     input_norm: Norm,
     post_norm: Norm,
+    qk_norms: Option<(Norm, Norm)>,
+    out_norms: Option<(Norm, Norm)>,
     attn: StepAttention,
     gate: QuantWeight,
     up: QuantWeight,
     down: QuantWeight,
+    /// The gate's activation: SiLU (SwiGLU) or the tanh GELU (GeGLU).
+    activation: Activation,
+    /// The multiplier of the scores.
+    scale: f64,
 }
 
 /// An RMS norm's weight and epsilon, as candle's fused op reads them.
@@ -64,13 +85,21 @@ impl Norm {
 
 impl DecodeStep {
     /// The step's weights: the norms (f32), the attention's blocks and the MLP's gate, up
-    /// and down blocks; sizes checked.
+    /// and down blocks, the gate's `activation` and the scores' `scale` (`None`:
+    /// `head_dim^-1/2`); sizes checked, activations other than SiLU and the tanh GELU
+    /// refused.
     pub(crate) fn new(
-        input_norm: &RmsNorm,
-        post_norm: &RmsNorm,
+        norms: StepNorms,
         attn: StepAttention,
         [gate, up, down]: [QuantWeight; 3],
+        activation: Activation,
+        scale: Option<f64>,
     ) -> Result<Self> {
+        if !matches!(activation, Activation::Silu | Activation::GeluTanh) {
+            return Err(Error::config(format!(
+                "a decode step gates with SiLU or the tanh GELU, not {activation:?}"
+            )));
+        }
         let (hd, h, kvh) = (attn.head_dim, attn.heads, attn.kv_heads);
         let d = attn.qkv[0].dims().1;
         let rows = attn.qkv.each_ref().map(|w| w.dims());
@@ -96,21 +125,39 @@ impl DecodeStep {
                 down.dims()
             )));
         }
-        let (input_norm, post_norm) = (Norm::of(input_norm)?, Norm::of(post_norm)?);
-        if input_norm.weight.len() != d || post_norm.weight.len() != d {
-            return Err(Error::config(format!(
-                "norms of {} and {} values for a hidden size of {d}",
-                input_norm.weight.len(),
-                post_norm.weight.len()
-            )));
+        let pair = |p: Option<&(RmsNorm, RmsNorm)>| -> Result<Option<(Norm, Norm)>> {
+            p.map(|(a, b)| Ok((Norm::of(a)?, Norm::of(b)?))).transpose()
+        };
+        let (input_norm, post_norm) = (Norm::of(norms.input)?, Norm::of(norms.post)?);
+        let (qk_norms, out_norms) = (pair(norms.qk)?, pair(norms.out)?);
+        let sizes = [&input_norm, &post_norm]
+            .into_iter()
+            .chain(out_norms.iter().flat_map(|(a, b)| [a, b]))
+            .map(|n| (n.weight.len(), d))
+            .chain(
+                qk_norms
+                    .iter()
+                    .flat_map(|(a, b)| [a, b])
+                    .map(|n| (n.weight.len(), hd)),
+            );
+        for (len, want) in sizes {
+            if len != want {
+                return Err(Error::config(format!(
+                    "a norm of {len} values where the layer has {want} (hidden {d}, head {hd})"
+                )));
+            }
         }
         Ok(Self {
             input_norm,
             post_norm,
+            qk_norms,
+            out_norms,
             attn,
             gate,
             up,
             down,
+            activation,
+            scale: scale.unwrap_or(1.0 / (hd as f64).sqrt()),
         })
     }
 
@@ -155,6 +202,12 @@ impl DecodeStep {
         if let Some(b) = &a.qkv_bias {
             add_into(&mut qkv, b);
         }
+        if let Some((qn, kn)) = &self.qk_norms {
+            // Each head's `hd` values normed as one row.
+            let (qs, ks) = qkv[..(h + kvh) * hd].split_at_mut(h * hd);
+            qs.copy_from_slice(&qn.apply(qs));
+            ks.copy_from_slice(&kn.apply(ks));
+        }
         // Q and K side by side: rotated in one pass.
         angles.rotate(&mut qkv[..(h + kvh) * hd])?;
         let (qs, kv) = qkv.split_at(h * hd);
@@ -170,14 +223,13 @@ impl DecodeStep {
             ),
             _ => (k_all, v_all),
         };
-        let scale = 1.0 / (hd as f64).sqrt();
-        let ctx = match one_query::attention_rows(qs, h, &k_all, &v_all, scale)? {
+        let ctx = match one_query::attention_rows(qs, h, &k_all, &v_all, self.scale)? {
             Some(ctx) => ctx,
             // A cache this kernel does not read: the attention on tensors.
             None => {
                 let q = Tensor::from_slice(qs, (1, h, 1, hd), &Device::Cpu)?;
                 let opts = SdpaOptions {
-                    scale: None,
+                    scale: Some(self.scale),
                     need_weights: false,
                 };
                 let out = scaled_dot_product_attention(&q, &k_all, &v_all, None, opts)?;
@@ -190,15 +242,43 @@ impl DecodeStep {
         if let Some(b) = &a.o_bias {
             add_into(&mut attn, b);
         }
+        if let Some((after_attn, _)) = &self.out_norms {
+            attn = after_attn.apply(&attn);
+        }
         add_into(x, &attn);
         let normed = self.post_norm.apply(x);
-        let mut gated = vec![0f32; self.gate.dims().0];
-        QuantWeight::row_gated(&self.gate, &self.up, &normed, &mut gated)?;
+        let i = self.gate.dims().0;
+        let gated = match self.activation {
+            Activation::Silu => {
+                let mut gated = vec![0f32; i];
+                QuantWeight::row_gated(&self.gate, &self.up, &normed, &mut gated)?;
+                gated
+            }
+            // The tensor path's `gelu(g) * u`, element by element.
+            _ => {
+                let mut gu = vec![0f32; 2 * i];
+                QuantWeight::row_product(&[&self.gate, &self.up], &normed, &mut gu)?;
+                let (g, u) = gu.split_at(i);
+                g.iter().zip(u).map(|(&g, &u)| gelu_tanh(g) * u).collect()
+            }
+        };
         let mut mlp = vec![0f32; d];
         QuantWeight::row_product(&[&self.down], &gated, &mut mlp)?;
+        if let Some((_, after_mlp)) = &self.out_norms {
+            mlp = after_mlp.apply(&mlp);
+        }
         add_into(x, &mlp);
         Ok(())
     }
+}
+
+/// The tanh GELU as candle's CPU op computes it (`Tensor::gelu` on f32), expression for
+/// expression.
+fn gelu_tanh(v: f32) -> f32 {
+    // candle-core's `SQRT_TWO_OVER_PI_F32`, as written there.
+    #[allow(clippy::excessive_precision)]
+    const SQRT_TWO_OVER_PI: f32 = 0.79788456080286535587989211986876373;
+    0.5 * v * (1.0 + f32::tanh(SQRT_TWO_OVER_PI * v * (1.0 + 0.044715 * v * v)))
 }
 
 /// `x += y` element by element.
@@ -221,14 +301,18 @@ mod tests {
     /// its fixture's hidden size, 48, leaves its matrices in f32, so no decode step).
     #[test]
     fn steps_are_the_tensor_path_bit_for_bit() -> Result<()> {
+        let both: &[&str] = &["q8_0", "q4_1"];
         let cases = [
-            "llama_gqa",
-            "llama_linear_rope",
-            "llama3_rope",
-            "llama_head_dim",
+            ("llama_gqa", both),
+            ("llama_linear_rope", both),
+            ("llama3_rope", both),
+            ("llama_head_dim", both),
+            // Per-head q/k norms; Gemma's `1 + w` and output norms, GeGLU, two rotations.
+            ("qwen3", &["q8_0"]),
+            ("gemma3", &["q8_0"]),
         ];
-        for case in cases {
-            for ty in ["q8_0", "q4_1"] {
+        for (case, types) in cases {
+            for &ty in types {
                 let path = format!(
                     "{}/tests/fixtures/gguf/{case}.{ty}.gguf",
                     env!("CARGO_MANIFEST_DIR")
@@ -262,6 +346,18 @@ mod tests {
                 }
             }
         }
+        Ok(())
+    }
+
+    /// The GELU is candle's `Tensor::gelu` on f32, bit for bit, across its range.
+    #[test]
+    fn the_gelu_is_candles() -> Result<()> {
+        let x: Vec<f32> = (0..4001).map(|i| (i as f32 - 2000.0) / 150.0).collect();
+        let want = Tensor::new(x.as_slice(), &Device::Cpu)?
+            .gelu()?
+            .to_vec1::<f32>()?;
+        let got: Vec<f32> = x.iter().map(|&v| gelu_tanh(v)).collect();
+        assert_eq!(got, want);
         Ok(())
     }
 

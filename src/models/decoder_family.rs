@@ -194,12 +194,12 @@ impl DecoderFamily {
             })
     }
 
-    /// Whether the layer is LLaMA's exactly (plain RMSNorms, SiLU-gated MLP, no q/k norms,
-    /// unscaled embeddings, the default attention scale): the decode step's fused route
-    /// computes that layer and no other.
-    pub(crate) fn is_plain(&self) -> bool {
-        !(self.qk_norm || self.norm_plus_one || self.sandwich_norms || self.embed_scale)
-            && self.norm == NormKind::Rms
+    /// Whether the decode step's fused route ([`crate::models::decode_step`]) computes the
+    /// family's layer: RMSNorms (plain or `1 + w`, q/k and sandwich norms included), a gated
+    /// MLP, rotary positions and the sequential residual (the caller checks a config's
+    /// `use_parallel_residual`).
+    pub(crate) fn steps_in_one_pass(&self) -> bool {
+        self.norm == NormKind::Rms
             && self.gated_mlp
             && !self.learned_positions
             && !self.parallel_residual

@@ -25,7 +25,7 @@ use crate::kernels::pool::in_pool;
 use crate::kernels::residual;
 use crate::kernels::rms_norm::rms_norm;
 use crate::models::bert::Activation;
-use crate::models::decode_step::{DecodeStep, StepAttention};
+use crate::models::decode_step::{DecodeStep, StepAttention, StepNorms};
 use crate::models::decoder_family::{DecoderFamily, NormKind, WindowRule};
 use crate::models::kv_cache::KvCache;
 use crate::models::rope::{RopeConfig, RopeLayout, RopeScaling, RotaryEmbedding};
@@ -984,6 +984,9 @@ impl LlamaModel {
                 false => None,
             };
             let mlp = Mlp::load(l.pp("mlp"), cfg, quant)?;
+            let parallel = cfg
+                .use_parallel_residual
+                .unwrap_or(family.parallel_residual);
             // The step is a faster route to the same values: weights it refuses take the
             // tensor path (which reports what does not fit when it runs).
             let step = match (
@@ -992,10 +995,16 @@ impl LlamaModel {
                 input_norm.rms(),
                 post_norm.rms(),
             ) {
-                (Some(a), Some(m), Some(n1), Some(n2))
-                    if compute == DType::F32 && family.is_plain() =>
+                (Some(a), Some(m), Some(input), Some(post))
+                    if compute == DType::F32 && family.steps_in_one_pass() && !parallel =>
                 {
-                    DecodeStep::new(n1, n2, a, m).ok()
+                    let norms = StepNorms {
+                        input,
+                        post,
+                        qk: qk_norms.as_ref(),
+                        out: out_norms.as_ref(),
+                    };
+                    DecodeStep::new(norms, a, m, mlp.activation, cfg.attention_scale()).ok()
                 }
                 _ => None,
             };
@@ -1008,9 +1017,7 @@ impl LlamaModel {
                 out_norms,
                 post_norm,
                 mlp,
-                parallel: cfg
-                    .use_parallel_residual
-                    .unwrap_or(family.parallel_residual),
+                parallel,
                 window: cfg.window_of(i),
                 rope,
                 step,
@@ -1256,12 +1263,19 @@ impl LlamaModel {
         };
         let mut h: Vec<f32> = x.flatten_all()?.to_vec1()?;
         let position = caches.first().map_or(0, KvCache::len);
-        let Some(rope) = self.ropes.first() else {
-            return Ok(None);
-        };
-        let angles = rope.row(position)?;
+        // Each rotation's angles at this position (Gemma 3: the global and the local one).
+        let angles = self
+            .ropes
+            .iter()
+            .map(|r| r.row(position))
+            .collect::<Result<Vec<_>>>()?;
         for ((step, layer), cache) in steps.into_iter().zip(&self.layers).zip(caches.iter_mut()) {
-            step.forward(&mut h, (rope, &angles), cache, layer.window)?;
+            let Some(r) = layer.rope else {
+                return Err(Error::Kernel(
+                    "a decode step for a layer without rotation".into(),
+                ));
+            };
+            step.forward(&mut h, (&self.ropes[r], &angles[r]), cache, layer.window)?;
         }
         Ok(Some(Tensor::from_vec(h, (1, 1, d), x.device())?))
     }

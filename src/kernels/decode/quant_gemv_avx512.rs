@@ -664,17 +664,19 @@ unsafe fn dot_blocks<const K: u8, const R: usize>(
     // Block `k` against each row of `x`, `d` its scale broadcast: Q4_0's, Q5_0's and Q8_0's
     // integers summed then scaled into accumulator `k % 4` ([`scaled_dot`]), Q4_1's and
     // Q5_1's values (`m` the second factor) into `2 (k % 2)` and the next.
-    let add = |acc: &mut [[__m512; 4]; R], k: usize, d: __m512, m: __m512| {
+    // `s`: `k % 4`, passed as a constant of an unrolled loop so that the accumulators stay
+    // in registers (indexed by a run-time `k % 4` they went through the stack).
+    let add = |acc: &mut [[__m512; 4]; R], k: usize, s: usize, d: __m512, m: __m512| {
         let b = bp.add(k * size);
         if symmetric::<K>() {
             let (lo, hi) = block_integers::<K>(b);
             for (r, a) in acc.iter_mut().enumerate() {
                 let xb = xp.add(r * inp + k * 32);
-                a[k % 4] = scaled_dot(lo, hi, xb, d, a[k % 4]);
+                a[s] = scaled_dot(lo, hi, xb, d, a[s]);
             }
         } else {
             let (lo, hi) = block_values_dm::<K>(b, d, m);
-            let u = k % 2;
+            let u = s % 2;
             for (r, a) in acc.iter_mut().enumerate() {
                 let xb = xp.add(r * inp + k * 32);
                 a[2 * u] = _mm512_fmadd_ps(lo, _mm512_loadu_ps(xb), a[2 * u]);
@@ -701,15 +703,26 @@ unsafe fn dot_blocks<const K: u8, const R: usize>(
         };
         for k in 0..8 {
             let (d, m) = (dm.lane512(d_at * k), dm.lane512(m_at + d_at * k));
-            add(&mut acc, i + k, d, m);
+            add(&mut acc, i + k, k % 4, d, m);
         }
         i += 8;
     }
-    while i < n {
-        // `m`: the f16 after `d` (unused but by Q4_1 and Q5_1).
-        let (d, m) = halves_at_ptr(bp.add(i * size));
-        add(&mut acc, i, d, m);
-        i += 1;
+    // The rest four blocks a step, then up to three (`i` a multiple of 4 here); `m`: the f16
+    // after `d` (unused but by Q4_1 and Q5_1).
+    let one = |acc: &mut [[__m512; 4]; R], k: usize, s: usize| {
+        let (d, m) = halves_at_ptr(bp.add(k * size));
+        add(acc, k, s, d, m);
+    };
+    while i + 4 <= n {
+        for s in 0..4 {
+            one(&mut acc, i + s, s);
+        }
+        i += 4;
+    }
+    for s in 0..3 {
+        if i + s < n {
+            one(&mut acc, i + s, s);
+        }
     }
     acc
 }
