@@ -214,23 +214,21 @@ fn the_end_of_generation_ids_are_llama_cpp_s_without_its_infill_tokens() -> anyh
     Ok(())
 }
 
-/// The real files, when they are here (`SMOLLM2_GGUF_DIR`, default `models/`, where
-/// `scripts/fetch_smollm2_gguf.sh` and `scripts/requantize_smollm2.py` put them): 24 greedy
-/// tokens per prompt equal transformers' on each file's dequantized weights.
-#[test]
-fn smollm2_gguf_greedy_ids_equal_transformers() -> anyhow::Result<()> {
+/// 24 greedy tokens per prompt equal transformers' on each file's dequantized weights, for
+/// the files of `types` in `SMOLLM2_GGUF_DIR` (default `models/`); an absent file fails.
+fn smollm2_gguf_greedy_ids(types: &[&str]) -> anyhow::Result<()> {
     let dir = std::env::var("SMOLLM2_GGUF_DIR")
         .map(std::path::PathBuf::from)
         .unwrap_or_else(|_| repo_path("models"));
-    for (name, cases) in smollm2_files()? {
+    let files = smollm2_files()?;
+    for ty in types {
+        let name = format!("SmolLM2-135M-Instruct.{ty}.gguf");
+        let (_, cases) = files
+            .iter()
+            .find(|(file, _)| *file == name)
+            .ok_or_else(|| anyhow::anyhow!("no cases for {name} in the fixture"))?;
         let path = dir.join(&name);
-        if !path.exists() {
-            eprintln!(
-                "skipped: {} is not here (see the test's doc)",
-                path.display()
-            );
-            continue;
-        }
+        anyhow::ensure!(path.exists(), "{} is not here", path.display());
         let model = LlamaModel::from_gguf(&path, DType::F32, &Device::Cpu)?;
         for (prompt, ids, want) in cases {
             let dev = Device::Cpu;
@@ -241,10 +239,25 @@ fn smollm2_gguf_greedy_ids_equal_transformers() -> anyhow::Result<()> {
                 let step = Tensor::new(&[[out[out.len() - 1]]], &dev)?;
                 out.extend(argmax_ids(&model.forward_last(&step, &mut caches)?)?);
             }
-            assert_eq!(out, want, "{name}: {prompt:?}");
+            assert_eq!(&out, want, "{name}: {prompt:?}");
         }
     }
     Ok(())
+}
+
+/// PyPI's file (`.ci/run` fetches it).
+#[test]
+#[ignore = "needs SmolLM2-135M-Instruct.Q4_1.gguf: scripts/fetch_smollm2_gguf.sh, SMOLLM2_GGUF_DIR"]
+fn smollm2_q4_1_gguf_greedy_ids_equal_transformers() -> anyhow::Result<()> {
+    smollm2_gguf_greedy_ids(&["Q4_1"])
+}
+
+/// The files llama.cpp's quantizer makes from it.
+#[test]
+#[ignore = "needs the requantized SmolLM2 files: scripts/requantize_smollm2.py (llama-cpp-python), \
+            SMOLLM2_GGUF_DIR"]
+fn smollm2_requantized_gguf_greedy_ids_equal_transformers() -> anyhow::Result<()> {
+    smollm2_gguf_greedy_ids(&["Q8_0", "Q4_K_M", "Q5_0", "Q5_K_M", "Q6_K", "Q3_K_M", "Q2_K"])
 }
 
 /// A SentencePiece vocabulary in GGUF metadata (`tokenizer.ggml.model = llama`, trained on

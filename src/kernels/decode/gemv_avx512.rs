@@ -233,10 +233,15 @@ mod tests {
     /// Every row count (the four-row passes and the rest) and input lengths with and
     /// without a tail past the last whole vector, in the three types.
     #[test]
+    #[cfg_attr(
+        not(isa_avx512),
+        ignore = "needs AVX-512, absent here or capped by CANDLE_ATTENTION_ISA"
+    )]
     fn dot_rows_equal_f64_sums() {
-        if !available() {
-            return;
-        }
+        assert!(
+            available(),
+            "built for this CPU's kernels, running without them"
+        );
         for (rows, inp) in [(1, 16), (3, 17), (4, 576), (7, 40), (9, 1536), (5, 5)] {
             let w: Vec<f32> = (0..rows * inp).map(|i| f(i, 17)).collect();
             let x: Vec<f32> = (0..inp).map(|i| f(i, 11) / 2.0).collect();
@@ -267,10 +272,15 @@ mod tests {
 
     /// Rows in groups of four and alone, widths with and without a tail, added to `acc`.
     #[test]
+    #[cfg_attr(
+        not(isa_avx512),
+        ignore = "needs AVX-512, absent here or capped by CANDLE_ATTENTION_ISA"
+    )]
     fn add_rows_equal_f64_sums() {
-        if !available() {
-            return;
-        }
+        assert!(
+            available(),
+            "built for this CPU's kernels, running without them"
+        );
         for (rows, out) in [(1, 16), (4, 17), (7, 960), (9, 5), (72, 576)] {
             let w: Vec<f32> = (0..rows * out).map(|i| f(i, 13)).collect();
             let x: Vec<f32> = (0..rows).map(|i| f(i, 7)).collect();

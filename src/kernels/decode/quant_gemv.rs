@@ -607,8 +607,7 @@ mod tests {
     /// bytes exactly as gguf-py does: the row times a unit vector is that value of
     /// `blocks::dequantize` (zeros of either sign equal), for every type it takes, on rows
     /// whose values are all finite.
-    #[test]
-    fn row_kernels_make_each_value_exactly() {
+    fn row_kernels_make_each_value_exactly(which: usize) {
         type Supports = fn(QuantType) -> bool;
         type RowDot = fn(QuantType, &[u8], &[f32]) -> Option<f32>;
         // AVX-512 both with every type's scales held in memory and without (the CPU's
@@ -633,6 +632,7 @@ mod tests {
                 None,
             ),
         ];
+        let kernels = [kernels[which]];
         let mut state = 0x2545_F491_4F6C_DD1Du64;
         let mut byte = || {
             state ^= state << 13;
@@ -655,9 +655,10 @@ mod tests {
                 .into_iter()
                 .flat_map(|ty| widths(ty).into_iter().map(move |c| (ty, c)))
             {
-                if !supports(ty) {
-                    continue;
-                }
+                assert!(
+                    supports(ty),
+                    "{ty}: built for this CPU's kernels, running without them"
+                );
                 let Some(row_bytes) = ty.bytes_of(cols) else {
                     panic!("{ty}: {cols} values are no whole blocks");
                 };
@@ -686,12 +687,38 @@ mod tests {
         }
     }
 
+    #[test]
+    #[cfg_attr(
+        not(isa_avx512),
+        ignore = "needs AVX-512, absent here or capped by CANDLE_ATTENTION_ISA"
+    )]
+    fn row_kernels_make_each_value_exactly_avx512_held() {
+        row_kernels_make_each_value_exactly(0)
+    }
+
+    #[test]
+    #[cfg_attr(
+        not(isa_avx512),
+        ignore = "needs AVX-512, absent here or capped by CANDLE_ATTENTION_ISA"
+    )]
+    fn row_kernels_make_each_value_exactly_avx512() {
+        row_kernels_make_each_value_exactly(1)
+    }
+
+    #[test]
+    #[cfg_attr(
+        not(isa_avx2),
+        ignore = "needs AVX2 + FMA + F16C, absent here or capped by CANDLE_ATTENTION_ISA"
+    )]
+    fn row_kernels_make_each_value_exactly_avx2() {
+        row_kernels_make_each_value_exactly(2)
+    }
+
     /// Each row kernel's dot product (AVX-512, AVX2 + FMA + F16C) against the same weight
     /// dequantized (gguf-py's values), summed in f64: within f32 rounding of the sum of
     /// magnitudes, for every type it takes, on any CPU that runs it; a row of the wrong size
     /// has no kernel.
-    #[test]
-    fn row_dots_equal_the_dequantized_weight_s() -> candle_core::Result<()> {
+    fn row_dots_equal_the_dequantized_weight_s(which: usize) -> candle_core::Result<()> {
         #[cfg(target_arch = "x86_64")]
         for ty in ROW_KERNEL_TYPES {
             use crate::kernels::simd::{isa, Isa};
@@ -717,13 +744,15 @@ mod tests {
             ),
             (quant_gemv_avx2::supports, quant_gemv_avx2::row_dot, None),
         ];
+        let kernels = [kernels[which]];
         for (supports, row_dot, hold) in kernels {
             let avx512 = hold.is_some();
             let _hold = hold.map(quant_gemv_avx512::HoldAll::set);
             for ty in ROW_KERNEL_TYPES {
-                if !supports(ty) {
-                    continue;
-                }
+                assert!(
+                    supports(ty),
+                    "{ty}: built for this CPU's kernels, running without them"
+                );
                 let (rows, cols) = (9, 768);
                 let w = crate::kernels::test_values(rows * cols, 11);
                 let q =
@@ -812,6 +841,33 @@ mod tests {
             }
         }
         Ok(())
+    }
+
+    #[test]
+    #[cfg_attr(
+        not(isa_avx512),
+        ignore = "needs AVX-512, absent here or capped by CANDLE_ATTENTION_ISA"
+    )]
+    fn row_dots_equal_the_dequantized_weight_s_avx512_held() -> candle_core::Result<()> {
+        row_dots_equal_the_dequantized_weight_s(0)
+    }
+
+    #[test]
+    #[cfg_attr(
+        not(isa_avx512),
+        ignore = "needs AVX-512, absent here or capped by CANDLE_ATTENTION_ISA"
+    )]
+    fn row_dots_equal_the_dequantized_weight_s_avx512() -> candle_core::Result<()> {
+        row_dots_equal_the_dequantized_weight_s(1)
+    }
+
+    #[test]
+    #[cfg_attr(
+        not(isa_avx2),
+        ignore = "needs AVX2 + FMA + F16C, absent here or capped by CANDLE_ATTENTION_ISA"
+    )]
+    fn row_dots_equal_the_dequantized_weight_s_avx2() -> candle_core::Result<()> {
+        row_dots_equal_the_dequantized_weight_s(2)
     }
 
     /// The product on the blocks equals the f32 kernel's on the dequantized weight (bit for

@@ -675,10 +675,15 @@ mod tests {
     use super::*;
 
     #[test]
+    #[cfg_attr(
+        not(isa_avx2),
+        ignore = "needs AVX2 + FMA + F16C, absent here or capped by CANDLE_ATTENTION_ISA"
+    )]
     fn half_scales_convert_exactly() {
-        if !supports(QuantType::Q8_0) {
-            return;
-        }
+        assert!(
+            supports(QuantType::Q8_0),
+            "built for this CPU's kernels, running without them"
+        );
         for bits in (0..=u16::MAX).step_by(7) {
             let other = bits.rotate_left(5);
             let mut b = [0u8; 6];
@@ -712,13 +717,14 @@ mod sum_tests {
 
     /// Each lane is its vector's sum, whatever the other vectors hold.
     #[test]
+    #[cfg_attr(not(cpu_avx2), ignore = "needs a CPU with AVX2 + FMA + F16C")]
     fn sum8_gives_each_vector_its_own_sum() {
-        if !(is_x86_feature_detected!("avx2")
-            && is_x86_feature_detected!("fma")
-            && is_x86_feature_detected!("f16c"))
-        {
-            return;
-        }
+        assert!(
+            (is_x86_feature_detected!("avx2")
+                && is_x86_feature_detected!("fma")
+                && is_x86_feature_detected!("f16c")),
+            "built for this CPU's kernels, running without them"
+        );
         crate::kernels::decode::quant_gemv::check_sum_tree::<8>(|v| {
             let mut out = [0f32; 8];
             // SAFETY: AVX2, FMA and F16C checked above; 8 floats read and written per vector.

@@ -904,10 +904,12 @@ mod tests {
     /// The vector unpacking gives each group's scale as the per-group formula does, on
     /// scale bytes of every pattern.
     #[test]
+    #[cfg_attr(not(cpu_avx2), ignore = "needs a CPU with AVX2 + FMA + F16C")]
     fn q3_k_scales_are_the_per_group_formula() {
-        if !is_x86_feature_detected!("avx2") {
-            return;
-        }
+        assert!(
+            is_x86_feature_detected!("avx2"),
+            "built for this CPU's kernels, running without them"
+        );
         for seed in 0..2000u32 {
             let sc: [u8; 12] = std::array::from_fn(|i| {
                 (seed.wrapping_mul(2_654_435_761).rotate_left(i as u32 * 3) >> 7) as u8
@@ -928,10 +930,12 @@ mod tests {
 
     /// Each lane is its vector's sum, whatever the other vectors hold.
     #[test]
+    #[cfg_attr(not(cpu_avx512), ignore = "needs a CPU with AVX-512F")]
     fn sum16_gives_each_vector_its_own_sum() {
-        if !is_x86_feature_detected!("avx512f") {
-            return;
-        }
+        assert!(
+            is_x86_feature_detected!("avx512f"),
+            "built for this CPU's kernels, running without them"
+        );
         crate::kernels::decode::quant_gemv::check_sum_tree::<16>(|v| {
             let mut out = [0f32; 16];
             // SAFETY: AVX-512F checked above; 16 floats read and written per vector.

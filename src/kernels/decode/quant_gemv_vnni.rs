@@ -815,8 +815,7 @@ mod tests {
     /// summed in f64, within f32 rounding of the magnitudes: the integer sums, the offsets
     /// and the `m` terms are right, and the only error against the f32 product is `x`'s
     /// quantization.
-    #[test]
-    fn several_rows_of_x_sum_as_each_alone() -> candle_core::Result<()> {
+    fn several_rows_of_x_sum_as_each_alone(which: usize) -> candle_core::Result<()> {
         use crate::kernels::decode::quant_gemv_int8_avx2 as avx2;
         type Supports = fn(QuantType) -> bool;
         type Dot = fn(QuantType, &[u8], &QuantizedX) -> Option<f32>;
@@ -833,12 +832,14 @@ mod tests {
             (supports, row_dot, &vnni),
             (avx2::supports, avx2::row_dot, &avx2),
         ];
+        let kernels = [kernels[which]];
         let cases = ROW_KERNEL_TYPES.into_iter().flat_map(widths);
         for ((ty, cols), (supports, row_dot, multi)) in cases.flat_map(|c| kernels.map(|k| (c, k)))
         {
-            if !supports(ty) {
-                continue;
-            }
+            assert!(
+                supports(ty),
+                "{ty}: built for this CPU's kernels, running without them"
+            );
             let rows = 7;
             let w = crate::kernels::test_values(rows * cols, 17);
             let q = QTensor::quantize(&Tensor::from_vec(w, (rows, cols), &Device::Cpu)?, ggml(ty))?;
@@ -880,17 +881,35 @@ mod tests {
     }
 
     #[test]
-    fn equals_the_weight_times_the_quantized_x() -> candle_core::Result<()> {
+    #[cfg_attr(
+        not(isa_vnni),
+        ignore = "needs AVX-512 VNNI, absent here or capped by CANDLE_ATTENTION_ISA"
+    )]
+    fn several_rows_of_x_sum_as_each_alone_vnni() -> candle_core::Result<()> {
+        several_rows_of_x_sum_as_each_alone(0)
+    }
+
+    #[test]
+    #[cfg_attr(
+        not(isa_avx2),
+        ignore = "needs AVX2 + FMA + F16C, absent here or capped by CANDLE_ATTENTION_ISA"
+    )]
+    fn several_rows_of_x_sum_as_each_alone_avx2() -> candle_core::Result<()> {
+        several_rows_of_x_sum_as_each_alone(1)
+    }
+    fn equals_the_weight_times_the_quantized_x(which: usize) -> candle_core::Result<()> {
         type Supports = fn(QuantType) -> bool;
         type Dot = fn(QuantType, &[u8], &QuantizedX) -> Option<f32>;
         use crate::kernels::decode::quant_gemv_int8_avx2 as avx2;
         let kernels: [(Supports, Dot); 2] = [(supports, row_dot), (avx2::supports, avx2::row_dot)];
+        let kernels = [kernels[which]];
         // An even number of blocks a row, and an odd one (its last block alone).
         let cases = ROW_KERNEL_TYPES.into_iter().flat_map(widths);
         for ((ty, cols), (supports, row_dot)) in cases.flat_map(|c| kernels.map(|k| (c, k))) {
-            if !supports(ty) {
-                continue;
-            }
+            assert!(
+                supports(ty),
+                "{ty}: built for this CPU's kernels, running without them"
+            );
             let rows = 5;
             let w = crate::kernels::test_values(rows * cols, 13);
             let q = QTensor::quantize(&Tensor::from_vec(w, (rows, cols), &Device::Cpu)?, ggml(ty))?;
@@ -930,5 +949,23 @@ mod tests {
             assert!(row_dot(ty, &bytes[..row_bytes - 1], &xq).is_none());
         }
         Ok(())
+    }
+
+    #[test]
+    #[cfg_attr(
+        not(isa_vnni),
+        ignore = "needs AVX-512 VNNI, absent here or capped by CANDLE_ATTENTION_ISA"
+    )]
+    fn equals_the_weight_times_the_quantized_x_vnni() -> candle_core::Result<()> {
+        equals_the_weight_times_the_quantized_x(0)
+    }
+
+    #[test]
+    #[cfg_attr(
+        not(isa_avx2),
+        ignore = "needs AVX2 + FMA + F16C, absent here or capped by CANDLE_ATTENTION_ISA"
+    )]
+    fn equals_the_weight_times_the_quantized_x_avx2() -> candle_core::Result<()> {
+        equals_the_weight_times_the_quantized_x(1)
     }
 }
