@@ -844,7 +844,7 @@ fn fma_peak() -> anyhow::Result<(f64, &'static str)> {
 /// pages all map one zero page and would measure the cache) with every rayon thread
 /// summing its share at once, with the widest vector loads this CPU has (the kernels'
 /// own; the portable loop's 16-byte loads read 11-23% less on Zen 4, see
-/// docs/performance.md); best of 5 passes, and the loads' instruction set.
+/// docs/performance-archive.md); best of 5 passes, and the loads' instruction set.
 fn read_bandwidth() -> (f64, &'static str) {
     use rayon::prelude::*;
     const BYTES: usize = 1 << 30;
@@ -947,7 +947,7 @@ unsafe fn sum_avx2(part: &[f32]) -> f32 {
 }
 
 /// Streams each thread reads at once in `--bandwidth`: one keeps too few reads in flight
-/// to reach a core's share (see docs/performance.md).
+/// to reach a core's share (see docs/performance-archive.md).
 const STREAMS: usize = 4;
 
 /// Independent accumulator chains: enough to cover the FMA latency on two ports.

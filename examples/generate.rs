@@ -107,7 +107,7 @@ fn main() -> ExitCode {
     let args = Args::parse();
     candle_attention::set_int8_activations(args.int8_activations);
     // A long prompt's products allocate megabytes afresh: keep freed memory for reuse
-    // (512-token prefill ~10% faster; see docs/performance.md).
+    // (512-token prefill ~10% faster; see docs/performance-archive.md).
     candle_attention::retain_freed_memory();
     match run(args) {
         Ok(()) => ExitCode::SUCCESS,

@@ -11,19 +11,24 @@
 //!   one query row against a cache, and keeping the pool's threads awake between steps;
 //! - [`train`]: the FlashAttention-2-style backward and the trainable layer's forward and
 //!   backward on shared buffers;
-//! - [`quant`]: ggml's quantized block formats (GGUF files) and their dequantization;
+//! - [`quant`]: ggml's quantized block formats (GGUF files) and their dequantization, the
+//!   block types the row kernels take, and the 8-bit form of an activation row;
 //! - [`encoder`]: BERT's element-wise parts: embeddings, the fused feed-forward, LayerNorm;
 //! - [`rms_norm`]: the decoders' RMS norm, candle-nn's bits with rows summed side by side;
 //!   [`residual`]: their residual sums on rayon's pool;
 //! - [`simd`], [`activation`]: vectorised `exp`, reductions and GELU, picked at run time by
-//!   instruction set; [`cpu_tensor`]: f32 views of candle's CPU tensors; [`scratch`]:
-//!   per-thread scratch and training buffers.
+//!   instruction set, and the one place CPU features are detected; [`cpu_tensor`]: f32
+//!   views of candle's CPU tensors; [`scratch`]: per-thread scratch and training buffers;
+//!   [`aligned`]: buffers on 64-byte lines; [`widen`]: half-precision values widened to f32;
+//!   [`pool`]: a model call run on a thread of rayon's pool.
 //!
-//! Dependencies inside run one way, each group reading only those before it: `simd`,
-//! `activation`, `scratch`; `gemm`; `cpu_tensor`; `decode`, `encoder`, `rms_norm`,
-//! `residual`; `attend`; `train`.
+//! Dependencies inside run one way, each group reading only those before it (and no circle
+//! within a group; `tests/module_graph.rs` checks both): `simd`, `activation`, `scratch`,
+//! `pool`, `aligned`, `widen`, `quant`; `gemm`; `cpu_tensor`; `decode`, `encoder`,
+//! `rms_norm`, `residual`; `attend`; `train`.
 
 pub(crate) mod activation;
+pub(crate) mod aligned;
 pub(crate) mod attend;
 pub(crate) mod cpu_tensor;
 pub(crate) mod decode;
@@ -36,6 +41,7 @@ pub(crate) mod rms_norm;
 pub(crate) mod scratch;
 pub(crate) mod simd;
 pub(crate) mod train;
+pub(crate) mod widen;
 
 /// `v` rounded to f16 (or bf16) as little-endian bytes, with the rounded values as f32 (tests
 /// only).

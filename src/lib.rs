@@ -147,12 +147,12 @@ pub use kernels::quant::blocks::QuantType;
 pub use memory::{attention_weights_bytes, available_memory_bytes, retain_freed_memory};
 pub use models::architecture::Architecture;
 pub use models::batching::{into_length_sorted_batches, length_sorted_batches, padding_tokens};
-pub use models::bert::{
-    l2_normalize, mean_pool, Activation, BertEncoder, BertLayer, EncoderOutput,
-};
+pub use models::bert::{l2_normalize, mean_pool, BertEncoder, BertLayer};
 pub use models::decoder_family::{DecoderFamily, WindowRule};
 pub use models::embedder::Embedder;
 pub use models::encoder_family::{EncoderFamily, PositionIds};
+pub use models::encoder_output::EncoderOutput;
+pub use models::hidden_act::Activation;
 pub use models::kv_cache::KvCache;
 pub use models::llama::{argmax_ids, LlamaConfig, LlamaModel};
 pub use models::pooling::{Pooling, PoolingMode};
@@ -171,3 +171,14 @@ pub use weights::layout::{LinearWeights, Projections, WeightLayout};
 #[cfg(doctest)]
 #[doc = include_str!("../README.md")]
 pub struct ReadmeDoctests;
+
+/// The guide's code examples (`docs/guide/`), compiled and run as doctests.
+#[cfg(doctest)]
+pub mod guide_doctests {
+    /// `docs/guide/library.md`
+    #[doc = include_str!("../docs/guide/library.md")]
+    pub struct Library;
+    /// `docs/guide/training.md`
+    #[doc = include_str!("../docs/guide/training.md")]
+    pub struct Training;
+}

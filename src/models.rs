@@ -10,6 +10,8 @@ pub(crate) mod decode_step;
 pub(crate) mod decoder_family;
 pub(crate) mod embedder;
 pub(crate) mod encoder_family;
+pub(crate) mod encoder_output;
+pub(crate) mod hidden_act;
 pub(crate) mod kv_cache;
 pub(crate) mod llama;
 pub(crate) mod modern_bert;

@@ -90,7 +90,7 @@ impl LayerProjections {
                 ))
             }
             Some(n) => {
-                if heads % n != 0 {
+                if !heads.is_multiple_of(n) {
                     return Err(Error::Heads(format!(
                         "{n} key/value heads do not divide the {heads} query heads"
                     )));
@@ -108,7 +108,10 @@ impl LayerProjections {
                 n
             }
             None => {
-                if k_out % head_dim != 0 || heads % (k_out / head_dim).max(1) != 0 || k_out == 0 {
+                if k_out % head_dim != 0
+                    || !heads.is_multiple_of((k_out / head_dim).max(1))
+                    || k_out == 0
+                {
                     return Err(Error::ShapeMismatch {
                         tensor: p.k.name.clone(),
                         expected: format!(
@@ -246,7 +249,7 @@ impl LayerProjections {
                 found: vec![hidden, qkv_out],
             });
         }
-        if heads == 0 || kv_heads == 0 || heads % kv_heads != 0 || q_out % heads != 0 {
+        if heads == 0 || kv_heads == 0 || !heads.is_multiple_of(kv_heads) || q_out % heads != 0 {
             return Err(Error::Heads(format!(
                 "{heads} heads and {kv_heads} key/value heads for {q_out} query rows"
             )));

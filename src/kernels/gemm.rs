@@ -2,7 +2,6 @@
 //! time), weights packed once into their panels, matrix views, and `x W^T + b` on the `gemm`
 //! crate for CPUs without either, and the transposed copy that packs rows into panels.
 
-pub(crate) mod aligned;
 pub(crate) mod depth_blocks;
 pub(crate) mod half_rows_product;
 pub(crate) mod int8_product;

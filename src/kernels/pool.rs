@@ -5,7 +5,7 @@
 //! 15 us on this VM, paid by every matrix-vector product of a decode step (~200 a token).
 //! Started on a pool thread, the same iterator runs on that thread while the others steal
 //! from it, and its end is a spin. So a whole forward call moves onto the pool once and pays
-//! the hand-over once (see docs/performance.md).
+//! the hand-over once (see docs/performance-archive.md).
 
 /// Runs `f` on a thread of rayon's global pool (on this one when it is one already).
 pub(crate) fn in_pool<R: Send>(f: impl FnOnce() -> R + Send) -> R {

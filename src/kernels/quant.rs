@@ -2,5 +2,7 @@
 //! dequantization ([`blocks`]), and their integers with a scale and offset per group
 //! ([`integer_form`]).
 
+pub(crate) mod activations;
 pub(crate) mod blocks;
 pub(crate) mod integer_form;
+pub(crate) mod row_kinds;

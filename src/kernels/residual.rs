@@ -2,7 +2,7 @@
 //! ops run inputs of 64K values or more on a pool of their own, whose worker spins for ~25,000
 //! pauses after each op before parking: on a 2-core machine that spin took a core from the
 //! products that follow (~5% of a SmolLM2 prompt's CPU time, two such sums a layer; see
-//! docs/performance.md).
+//! docs/performance-archive.md).
 
 use std::mem::MaybeUninit;
 

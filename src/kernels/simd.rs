@@ -8,11 +8,6 @@
 //! exact and the same degree-5 fit for `2^r` (~1.5 ulp), and flushes inputs below -125 to
 //! exactly 0 (so masked `-inf` scores give weight 0 and no denormal ever reaches a matrix
 //! multiply). The vector versions are picked at run time.
-// The AVX-512 intrinsics are stable since Rust 1.89, above the `rust-version` the manifest
-// declares; candle-core 0.11 itself needs 1.89 on x86-64 (it uses them too), so the
-// declared version cannot build this crate anyway.
-#![allow(clippy::incompatible_msrv)]
-
 #[cfg(target_arch = "x86_64")]
 use std::arch::x86_64::*;
 use std::mem::MaybeUninit;
@@ -84,6 +79,62 @@ pub(crate) fn isa() -> Isa {
         }
         Isa::Scalar
     })
+}
+
+/// The CPU's features the kernels ask about beyond [`isa`]'s levels, detected once: the
+/// one place the crate's kernels detect CPU features.
+#[derive(Debug, Clone, Copy)]
+struct Features {
+    f16c: bool,
+    avx2_fma_f16c: bool,
+    avx512_vnni: bool,
+}
+
+fn features() -> Features {
+    static FEATURES: OnceLock<Features> = OnceLock::new();
+    *FEATURES.get_or_init(|| {
+        #[cfg(target_arch = "x86_64")]
+        {
+            let f16c = is_x86_feature_detected!("f16c");
+            let fma = is_x86_feature_detected!("fma");
+            Features {
+                f16c,
+                avx2_fma_f16c: is_x86_feature_detected!("avx2") && fma && f16c,
+                avx512_vnni: is_x86_feature_detected!("avx512f")
+                    && is_x86_feature_detected!("avx512bw")
+                    && is_x86_feature_detected!("avx512vl")
+                    && is_x86_feature_detected!("avx512vnni")
+                    && f16c
+                    && fma,
+            }
+        }
+        #[cfg(not(target_arch = "x86_64"))]
+        {
+            Features {
+                f16c: false,
+                avx2_fma_f16c: false,
+                avx512_vnni: false,
+            }
+        }
+    })
+}
+
+/// F16C's conversions with AVX2 + FMA, the instruction set not capped below AVX2 (the f16
+/// matrix-vector loops' AVX2 form).
+pub(crate) fn avx2_f16c() -> bool {
+    features().f16c && matches!(isa(), Isa::Avx2 | Isa::Avx512)
+}
+
+/// AVX2, FMA and F16C, the instruction set not capped below AVX2 (the GGUF row kernels'
+/// AVX2 forms, exact and 8-bit).
+pub(crate) fn avx2_fma_f16c() -> bool {
+    features().avx2_fma_f16c && matches!(isa(), Isa::Avx2 | Isa::Avx512)
+}
+
+/// AVX-512 F, BW, VL and VNNI with F16C and FMA, the instruction set not capped below
+/// AVX-512 (the 8-bit GGUF kernels' AVX-512 form).
+pub(crate) fn avx512_vnni() -> bool {
+    features().avx512_vnni && isa() == Isa::Avx512
 }
 
 /// Whether the CPU is AMD's ("AuthenticAMD"): a few thresholds were measured apart on AMD
@@ -298,7 +349,7 @@ pub(crate) fn copy_streaming(dst: &mut [MaybeUninit<f32>], src: &[f32]) -> usize
 unsafe fn copy_streaming_avx(dst: *mut f32, src: *const f32, n: usize) {
     // Scalar stores up to a 32-byte boundary of `dst` (streaming stores need it).
     let mut i = 0;
-    while i < n && (dst.add(i) as usize) % 32 != 0 {
+    while i < n && !(dst.add(i) as usize).is_multiple_of(32) {
         *dst.add(i) = *src.add(i);
         i += 1;
     }

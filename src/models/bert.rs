@@ -23,46 +23,13 @@ use crate::kernels::gemm::matrix::HalfRows;
 use crate::kernels::gemm::packed::PackedWeight;
 use crate::kernels::pool::in_pool;
 use crate::models::encoder_family::{EncoderFamily, PositionIds};
+use crate::models::encoder_output::EncoderOutput;
+use crate::models::hidden_act::Activation;
 use crate::models::modern_bert::{ModernBert, ModernBertConfig};
 use crate::models::trace::{graph_input, probe, ForwardTrace, TraceOptions};
 use crate::weights::checkpoint::Checkpoint;
 use crate::weights::config::{AttentionConfig, HfConfig};
 use crate::weights::stored::StoredWeight;
-
-/// The feed-forward activations BERT-family configs name.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Activation {
-    /// `gelu`: the exact, erf-based GELU.
-    Gelu,
-    /// `gelu_new`, `gelu_pytorch_tanh`, `gelu_fast`: the tanh approximation.
-    GeluTanh,
-    /// `relu`
-    Relu,
-    /// `silu` / `swish`
-    Silu,
-}
-
-impl Activation {
-    /// Parses a config's `hidden_act`.
-    pub fn from_name(name: &str) -> Result<Self> {
-        match name {
-            "gelu" => Ok(Self::Gelu),
-            "gelu_new" | "gelu_pytorch_tanh" | "gelu_fast" => Ok(Self::GeluTanh),
-            "relu" => Ok(Self::Relu),
-            "silu" | "swish" => Ok(Self::Silu),
-            other => Err(Error::config(format!("unsupported hidden_act `{other}`"))),
-        }
-    }
-
-    pub(crate) fn apply(&self, xs: &Tensor) -> Result<Tensor> {
-        Ok(match self {
-            Self::Gelu => xs.gelu_erf()?,
-            Self::GeluTanh => xs.gelu()?,
-            Self::Relu => xs.relu()?,
-            Self::Silu => xs.silu()?,
-        })
-    }
-}
 
 /// `LayerNorm` loaded from `weight`/`bias` (or the old `gamma`/`beta`).
 fn layer_norm(vb: VarBuilder, size: usize, eps: f64) -> Result<LayerNorm> {
@@ -591,15 +558,6 @@ impl BertLayer {
             probs,
         ))
     }
-}
-
-/// What [`BertEncoder::forward`] returns.
-#[derive(Debug, Clone)]
-pub struct EncoderOutput {
-    /// `(batch, seq, hidden)`: the last layer's hidden states.
-    pub hidden_states: Tensor,
-    /// One `(batch, heads, seq, seq)` f32 tensor per layer, when asked for.
-    pub attentions: Option<Vec<Tensor>>,
 }
 
 /// A BERT-family encoder: BERT (MiniLM, all-MiniLM-L6-v2, bert-base-uncased, ...),

@@ -3,7 +3,7 @@
 //! layer shape (Qwen3's and Gemma 3's per-head q/k norms, Gemma's norms of the attention's
 //! and MLP's outputs, a GELU-gated MLP, a scale of the scores apart from `head_dim^-1/2`). The tensor path makes ~25 candle ops a layer around
 //! its products (norms, reshapes, the rotary embedding, views, adds), ~14 us a layer at
-//! SmolLM2's size, a tenth of a decode step (see docs/performance.md). This path calls the
+//! SmolLM2's size, a tenth of a decode step (see docs/performance-archive.md). This path calls the
 //! same kernels on the same values in the same order, so its logits are the tensor path's
 //! bit for bit (tested below).
 
@@ -14,7 +14,7 @@ use crate::attention::sdpa::{scaled_dot_product_attention, SdpaOptions};
 use crate::error::{Error, Result};
 use crate::kernels::decode::one_query;
 use crate::kernels::rms_norm::rms_norm_rows;
-use crate::models::bert::Activation;
+use crate::models::hidden_act::Activation;
 use crate::models::kv_cache::KvCache;
 use crate::models::rope::{RopeRow, RotaryEmbedding};
 use crate::weights::quantized::QuantWeight;

@@ -20,13 +20,13 @@ use crate::attention::projections::{fused_bias, LayerProjections};
 use crate::attention::sdpa::{scaled_dot_product_attention, SdpaOptions};
 use crate::error::{Error, Result};
 use crate::kernels::decode::gemv::{one_row_gated, one_row_linear};
-use crate::kernels::decode::widen;
 use crate::kernels::pool::in_pool;
 use crate::kernels::residual;
 use crate::kernels::rms_norm::rms_norm;
-use crate::models::bert::Activation;
+use crate::kernels::widen;
 use crate::models::decode_step::{DecodeStep, StepAttention, StepNorms};
 use crate::models::decoder_family::{DecoderFamily, NormKind, WindowRule};
+use crate::models::hidden_act::Activation;
 use crate::models::kv_cache::KvCache;
 use crate::models::rope::{RopeConfig, RopeLayout, RopeScaling, RotaryEmbedding};
 use crate::models::trace::{graph_input, probe, ForwardTrace, TraceOptions};
@@ -240,7 +240,7 @@ impl LlamaConfig {
             Some(types) => types.get(i).is_some_and(|t| t == "sliding_attention"),
             None => {
                 let pattern = self.sliding_window_pattern.unwrap_or(6).max(1);
-                (i + 1) % pattern != 0
+                !(i + 1).is_multiple_of(pattern)
             }
         }
     }

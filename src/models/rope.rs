@@ -149,7 +149,7 @@ impl RopeConfig {
         if self.head_dim == 0
             || self.rotary_dim == 0
             || self.rotary_dim > self.head_dim
-            || self.rotary_dim % 2 != 0
+            || !self.rotary_dim.is_multiple_of(2)
         {
             return Err(Error::config(format!(
                 "rotary dims: {} of a head of {} (an even number, partial_rotary_factor in (0, 1])",
@@ -258,7 +258,7 @@ impl RopeRow {
     pub(crate) fn rotate(&self, x: &mut [f32]) -> Result<()> {
         let d = self.head_dim;
         let half = self.rotary_dim / 2;
-        if d == 0 || x.len() % d != 0 || self.cos.len() < half || self.sin.len() < half {
+        if d == 0 || !x.len().is_multiple_of(d) || self.cos.len() < half || self.sin.len() < half {
             return Err(Error::input(
                 "x",
                 format!("rows of head dim {d}"),

@@ -15,8 +15,8 @@ use candle_nn::var_builder::SimpleBackend;
 use candle_nn::VarBuilder;
 
 use crate::error::{Error, Result};
-use crate::kernels::decode::widen::widen_half_bytes;
 use crate::kernels::gemm::matrix::{HalfRows, HalfSource};
+use crate::kernels::widen::widen_half_bytes;
 
 /// The error for a checkpoint's tensors that `model` (`a BERT encoder of 6 layers`) would
 /// not read, so that its outputs would not be the checkpoint's; `Ok` when there are none.

@@ -287,14 +287,14 @@ impl HfConfig {
                 )));
             }
         }
-        if self.head_dim.is_none() && self.hidden_size % self.num_attention_heads != 0 {
+        if self.head_dim.is_none() && !self.hidden_size.is_multiple_of(self.num_attention_heads) {
             return Err(Error::config(format!(
                 "`num_attention_heads` = {} does not divide `hidden_size` = {}",
                 self.num_attention_heads, self.hidden_size
             )));
         }
         if let Some(kv) = self.num_key_value_heads {
-            if self.num_attention_heads % kv != 0 {
+            if !self.num_attention_heads.is_multiple_of(kv) {
                 return Err(Error::config(format!(
                     "`num_key_value_heads` = {kv} does not divide `num_attention_heads` = {}",
                     self.num_attention_heads

@@ -212,7 +212,7 @@ impl std::fmt::Debug for GgufFile {
 impl GgufFile {
     /// Reads (or maps) and checks the file at `path`: on Linux with transparent huge pages,
     /// its bytes are read once into memory on 2 MB pages, which a decode streams 5-18%
-    /// faster than the 4 KB pages of a map (see docs/performance.md); elsewhere, or when the
+    /// faster than the 4 KB pages of a map (see docs/performance-archive.md); elsewhere, or when the
     /// file would take more than half the available memory, the file is mapped
     /// ([`GgufFile::open_mapped`], also the choice for a model on a GPU or metadata alone).
     pub fn open(path: impl AsRef<Path>) -> Result<Self> {

@@ -349,7 +349,7 @@ impl GgufLlamaWeights {
 /// result is row `2 j + s` of the stored one. The tensors here and the blocks of
 /// `crate::weights::quantized` are reordered by it.
 pub(crate) fn unpermuted_order(rows: usize, heads: usize) -> Result<Vec<usize>> {
-    if heads == 0 || rows % (2 * heads) != 0 {
+    if heads == 0 || !rows.is_multiple_of(2 * heads) {
         return Err(Error::Heads(format!(
             "{rows} query/key rows do not split into {heads} heads of an even size"
         )));

@@ -2,7 +2,7 @@
 //! huge pages, asked for with `madvise`). A decode step streams every weight once, and on
 //! 4 KB pages each page's first lines wait for a TLB walk and a restarted hardware
 //! prefetcher; on 2 MB pages the 8-bit GGUF decode ran 9-17% faster and the exact one 5-18%
-//! (see docs/performance.md). Where transparent huge pages are off, or the file would take
+//! (see docs/performance-archive.md). Where transparent huge pages are off, or the file would take
 //! more than half the memory available, the caller maps the file instead (a map's clean
 //! pages the kernel can drop; anonymous memory it cannot).
 

@@ -50,7 +50,7 @@ enum Blocks {
 /// Up to how many input rows are multiplied on the blocks as they are read (the row kernels,
 /// each block once for all rows); more by the weight dequantized once for the call into
 /// packed panels (or repacked as integers, 8-bit). Where the two took about the same time
-/// in SmolLM2 prompts, 2 threads, AMD Zen 4 (docs/performance.md): ~64 rows with the AVX-512
+/// in SmolLM2 prompts, 2 threads, AMD Zen 4 (docs/performance-archive.md): ~64 rows with the AVX-512
 /// row kernels (4 rows of `x` a pass), ~24-32 with the AVX2 ones (2 a pass), ~24-32 for the
 /// 8-bit row kernels (4 a pass) against the 8-bit prompt product.
 fn few_rows() -> usize {

@@ -11,7 +11,7 @@
 //! Only after [`crate::retain_freed_memory`]: with glibc's default trimming, candle's own
 //! per-step allocations are paged in again every step anyway, and keeping these buffers
 //! shifted its trimming so that a (1, 512, 768) backward took 35 ms instead of 28
-//! (27.5 -> 22.6 ms with freed memory retained; docs/performance.md).
+//! (27.5 -> 22.6 ms with freed memory retained; docs/performance-archive.md).
 
 use std::cell::RefCell;
 use std::sync::Mutex;

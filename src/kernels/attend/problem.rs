@@ -256,7 +256,7 @@ impl Problem<'_> {
 
     /// Checks that views and sizes fit together before any task starts.
     pub fn validate(&self) -> Result<()> {
-        if self.kv_heads == 0 || self.heads % self.kv_heads != 0 {
+        if self.kv_heads == 0 || !self.heads.is_multiple_of(self.kv_heads) {
             return Err(Error::Kernel(format!(
                 "{} heads over {} key/value heads",
                 self.heads, self.kv_heads

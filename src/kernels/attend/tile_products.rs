@@ -26,7 +26,7 @@ use crate::kernels::scratch::{with_panel_scratch, CallBuffer};
 /// Keys per K panel; score tiles start at multiples of it.
 pub(crate) const KEY_PANEL: usize = 48;
 // The keys are transposed into the K panels 8 at a time.
-const _: () = assert!(KEY_PANEL % transpose::COLUMNS == 0);
+const _: () = assert!(KEY_PANEL.is_multiple_of(transpose::COLUMNS));
 
 /// Value columns per V panel.
 ///

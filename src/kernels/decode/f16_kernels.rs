@@ -3,10 +3,6 @@
 //! vectorise, so the generic loops of [`crate::kernels::decode::gemv`] would run at a fraction of the
 //! memory bandwidth.
 
-// The AVX-512 intrinsics are stable since Rust 1.89, above the `rust-version` the manifest
-// declares; candle-core 0.11 itself needs 1.89 on x86-64 (as in `microkernel.rs`).
-#![allow(clippy::incompatible_msrv)]
-
 #[cfg(target_arch = "x86_64")]
 use std::arch::x86_64::*;
 
@@ -32,7 +28,7 @@ fn isa() -> Isa {
             use crate::kernels::simd::{isa, Isa as Cpu};
             match isa() {
                 Cpu::Avx512 => return Isa::Avx512,
-                Cpu::Avx2 if is_x86_feature_detected!("f16c") => return Isa::Avx2F16c,
+                Cpu::Avx2 if crate::kernels::simd::avx2_f16c() => return Isa::Avx2F16c,
                 _ => {}
             }
         }

@@ -1,11 +1,12 @@
 //! `y = W x + b` for one input row (a decode step): the rows of `W` split among the
 //! threads, each output a dot product in independent lanes. Reading `W` is the whole
 //! cost; the `gemm` crate's path for one row read it at 14.6 GB/s where this reads it at
-//! 20.7 GB/s (49152 x 576, 2 threads, see docs/performance.md).
+//! 20.7 GB/s (49152 x 576, 2 threads, see docs/performance-archive.md).
 
 use crate::error::{Error, Result};
 use crate::kernels::decode::f16_kernels;
-use crate::kernels::decode::gemv_avx512::{self, Load16};
+use crate::kernels::decode::gemv_avx512;
+use crate::kernels::widen::Load16;
 
 /// Independent partial sums per dot product (one AVX-512 vector, two AVX2 ones); 32 and 64
 /// measured no faster.
@@ -14,7 +15,7 @@ const LANES: usize = 16;
 /// Most outputs per task (the gated kernel keeps one task's up-projection on the stack).
 pub(crate) const ROWS_PER_TASK: usize = 256;
 /// Tasks per thread: equal tasks, so that a 576-row product on two threads does not run as
-/// 256 + 256 | 64 (see docs/performance.md).
+/// 256 + 256 | 64 (see docs/performance-archive.md).
 const TASKS_PER_THREAD: usize = 4;
 
 /// Outputs per task for `n` outputs: `n / (threads * TASKS_PER_THREAD)` rounded up to a
@@ -37,7 +38,7 @@ pub(crate) fn task_len_per(n: usize, align: usize, most: usize, per_thread: usiz
 /// widening is [`Load16::to_f32`]).
 pub(crate) trait Widen: Load16 {
     /// Whether the portable loops of [`gemv`] read four rows at a time (measured faster for
-    /// f32, slower for bf16: see docs/performance.md).
+    /// f32, slower for bf16: see docs/performance-archive.md).
     const FOUR_ROWS: bool = false;
 
     /// `sum a[i] b[i]` by a kernel of this type's own, where it has one.

@@ -2,16 +2,12 @@
 //! `W x` four weight rows per pass with one FMA chain each, and `x W` four rows at a time
 //! added into a partial sum. The compiler-vectorised loops of [`crate::kernels::decode::gemv`] ran a
 //! single dependent add chain per row with a serial horizontal sum, which held bf16 reads to
-//! ~14 GB/s on two cores (see docs/performance.md).
-
-// The AVX-512 intrinsics are stable since Rust 1.89, above the `rust-version` the manifest
-// declares; candle-core 0.11 itself needs 1.89 on x86-64 (as in `microkernel.rs`).
-#![allow(clippy::incompatible_msrv)]
+//! ~14 GB/s on two cores (see docs/performance-archive.md).
 
 #[cfg(target_arch = "x86_64")]
 use std::arch::x86_64::*;
 
-use half::{bf16, f16};
+use crate::kernels::widen::Load16;
 
 #[cfg(target_arch = "x86_64")]
 use crate::kernels::simd::{isa, Isa};
@@ -23,61 +19,6 @@ const AHEAD_ROWS: usize = 4;
 /// Rows summed side by side in one pass (8 measured no faster).
 #[cfg(target_arch = "x86_64")]
 const GROUP: usize = 4;
-
-/// A weight element these kernels read sixteen at a time as f32 lanes.
-pub(crate) trait Load16: Copy + Send + Sync {
-    /// The value as f32.
-    fn to_f32(self) -> f32;
-
-    /// Sixteen values from `p` widened to f32.
-    ///
-    /// # Safety
-    /// AVX-512F; `p` points at sixteen readable values.
-    #[cfg(target_arch = "x86_64")]
-    unsafe fn load16(p: *const Self) -> __m512;
-}
-
-impl Load16 for f32 {
-    #[inline(always)]
-    fn to_f32(self) -> f32 {
-        self
-    }
-
-    #[cfg(target_arch = "x86_64")]
-    #[inline(always)]
-    unsafe fn load16(p: *const Self) -> __m512 {
-        _mm512_loadu_ps(p)
-    }
-}
-
-impl Load16 for bf16 {
-    #[inline(always)]
-    fn to_f32(self) -> f32 {
-        f32::from_bits(u32::from(self.to_bits()) << 16)
-    }
-
-    /// bf16 is the top half of an f32: zero-extend to 32 bits and shift.
-    #[cfg(target_arch = "x86_64")]
-    #[inline(always)]
-    unsafe fn load16(p: *const Self) -> __m512 {
-        let h = _mm256_loadu_si256(p as *const __m256i);
-        _mm512_castsi512_ps(_mm512_slli_epi32::<16>(_mm512_cvtepu16_epi32(h)))
-    }
-}
-
-impl Load16 for f16 {
-    #[inline(always)]
-    fn to_f32(self) -> f32 {
-        f16::to_f32(self)
-    }
-
-    /// The hardware conversion (`vcvtph2ps`).
-    #[cfg(target_arch = "x86_64")]
-    #[inline(always)]
-    unsafe fn load16(p: *const Self) -> __m512 {
-        _mm512_cvtph_ps(_mm256_loadu_si256(p as *const __m256i))
-    }
-}
 
 /// Whether this CPU runs these kernels (AVX-512F).
 pub(crate) fn available() -> bool {
@@ -225,6 +166,7 @@ unsafe fn add_rows_avx512<T: Load16>(w: &[T], x: &[f32], acc: &mut [f32]) {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use half::{bf16, f16};
 
     fn f(i: usize, m: usize) -> f32 {
         ((i * 37 % m) as f32 - (m / 2) as f32) / 8.0

@@ -5,12 +5,8 @@
 //! and `m` and Q8_0's `d`: an Intel Xeon's one shuffle port). In the exact row kernels those
 //! shuffles compete with the unpacking's for the same pipes, which bound the loops (AVX-512,
 //! TSC ticks per 32 values from L2: Q6_K 6.66 -> 5.29, Q4_K 5.82 -> 5.19, Q4_0 4.32 ->
-//! 3.73, Q5_0 5.81 -> 5.32; see docs/performance.md). One `black_box` per hold keeps LLVM
+//! 3.73, Q5_0 5.81 -> 5.32; see docs/performance-archive.md). One `black_box` per hold keeps LLVM
 //! from turning the loads back into permutes.
-
-// The AVX-512 intrinsics are stable since Rust 1.89, above the `rust-version` the manifest
-// declares; candle-core 0.11 itself needs 1.89 on x86-64 (as in `quant_gemv_vnni.rs`).
-#![allow(clippy::incompatible_msrv)]
 #![cfg_attr(not(target_arch = "x86_64"), allow(dead_code))]
 
 #[cfg(target_arch = "x86_64")]

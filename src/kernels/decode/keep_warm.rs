@@ -7,7 +7,7 @@
 //! task counter and a count of the threads inside it), not through rayon's deques and
 //! latches: they take its tasks from a counter as the caller does, and the caller's wait
 //! at the end is a spin on that count. Calls off the pool, or while another call holds the
-//! slot, go through rayon as before (see docs/performance.md).
+//! slot, go through rayon as before (see docs/performance-archive.md).
 
 use std::cell::{Cell, UnsafeCell};
 use std::panic::{catch_unwind, AssertUnwindSafe};
@@ -273,7 +273,7 @@ fn spin_until_next() {
         }
         polls = polls.wrapping_add(1);
         // Reading the clock costs a call's worth of polls; once in 64 is enough.
-        if polls % 64 == 0 && since.elapsed() >= SPIN {
+        if polls.is_multiple_of(64) && since.elapsed() >= SPIN {
             break;
         }
         if rayon::yield_now().is_none() {

@@ -2,7 +2,7 @@
 //! stored (f32, f16 or bf16): scores by the matrix-vector kernels, the softmax in f32
 //! (base 2), the context as the weighted sum of the value rows. The tiled kernels compute on
 //! contiguous f32 operands, which meant a copy of every layer's cache view on every step
-//! (an f32 one for an f16 / bf16 cache; see docs/performance.md).
+//! (an f32 one for an f16 / bf16 cache; see docs/performance-archive.md).
 
 use candle_core::{CpuStorage, DType, Device, Storage, Tensor};
 
@@ -95,7 +95,7 @@ fn attention_rows_in(
     let stored = matches!(k.dtype(), DType::F16 | DType::BF16 | DType::F32);
     let fits = (bv, kvh_v, sk_v) == (b, kvh, sk)
         && kvh > 0
-        && h % kvh == 0
+        && h.is_multiple_of(kvh)
         && h > 0
         && dk > 0
         && dv > 0
@@ -163,7 +163,7 @@ fn runs_for(sk: usize) -> usize {
 /// 2^(s - max s)`, `o = p V`, kept with `max s` and `sum p`); a head's runs are merged after
 /// (weights `2^(m_c - m)`), the context `o / sum p`. One run is the one-pass softmax as it
 /// was per head; reading the keys once for the group's queries saved ~1% of a SmolLM2 decode
-/// step at 240 tokens, 3% at 800 (see docs/performance.md).
+/// step at 240 tokens, 3% at 800 (see docs/performance-archive.md).
 fn run<T: Widen>(
     q: &[f32],
     k: Rows<'_, T>,

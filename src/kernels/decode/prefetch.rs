@@ -3,7 +3,7 @@
 //! prefetchers alone; requesting each row's lines [`AHEAD`] bytes ahead made the decode
 //! 2-6% faster with the exact (f32) kernels and the AVX2 8-bit ones on AMD Zen 4, 30-70% on
 //! an Intel Xeon. The AVX-512 VNNI 8-bit kernels gained nothing on Zen 4 (Q8_0 lost 5%),
-//! but 30-70% on the Xeon, [`AHEAD_VNNI`] ahead: see [`vnni_ahead`] and docs/performance.md.
+//! but 30-70% on the Xeon, [`AHEAD_VNNI`] ahead: see [`vnni_ahead`] and docs/performance-archive.md.
 
 #![cfg_attr(not(target_arch = "x86_64"), allow(dead_code))]
 

@@ -16,8 +16,9 @@ use crate::kernels::activation::silu_times_in_place;
 use crate::kernels::decode::gemv::{dot_rows, task_len_per, ROWS_PER_TASK};
 use crate::kernels::decode::keep_warm;
 use crate::kernels::decode::quant_gemv_int8_avx2;
-use crate::kernels::decode::quant_gemv_vnni::{self, QuantizedX};
+use crate::kernels::decode::quant_gemv_vnni;
 use crate::kernels::decode::{quant_gemv_avx2, quant_gemv_avx512};
+use crate::kernels::quant::activations::QuantizedX;
 use crate::kernels::quant::blocks::{self, QuantType};
 use crate::kernels::scratch::with_scratch;
 
@@ -29,14 +30,14 @@ static INT8_ACTIVATIONS: AtomicBool = AtomicBool::new(false);
 /// signed bytes with a scale each, and the weight's integers meet them in AVX-512 VNNI
 /// dot-product instructions, or AVX2's byte multiply-adds. Faster where the unpacking, not
 /// the memory, bounds a product (most of all with AVX2); not exact: the greedy tokens may
-/// leave the f32 model's after a few (see the README). Process-wide; off by default. In
-/// decode steps every block type has 8-bit kernels with AVX-512 VNNI; with AVX2 alone
-/// Q2_K, Q3_K and Q5_K stay exact, and so do CPUs without AVX2. Prompts of more than a few
+/// leave the f32 model's after a few (see `docs/guide/gguf.md`). Process-wide; off by
+/// default. In decode steps every block type has 8-bit kernels with AVX-512 VNNI and with
+/// AVX2 + FMA + F16C; CPUs without AVX2 stay exact. Prompts of more than a few
 /// rows are 8-bit with AVX-512 VNNI, every integer block type (K-quants too) in one matrix
 /// product (about 2.8x the f32 micro-kernels' rate on AMD Zen 4), and exact elsewhere. On
 /// CUDA the same switch picks candle's quantized kernels (which round the activations to 8
 /// bits) over the exact default there: the blocks dequantized on the device, then an f32
-/// product. Metal always takes candle's kernels (see the README).
+/// product. Metal always takes candle's kernels (see `docs/guide/features.md`).
 pub fn set_int8_activations(on: bool) {
     INT8_ACTIVATIONS.store(on, Ordering::Relaxed);
 }
@@ -51,49 +52,8 @@ const GROUP: usize = 4;
 
 /// Tasks a thread per product: fewer, longer streams of blocks than the dense kernels' 4
 /// (2 and 3 measured 1-2% faster a decode step than 4 on SmolLM2, 1 slower; see
-/// docs/performance.md).
+/// docs/performance-archive.md).
 const TASKS_PER_THREAD: usize = 2;
-
-/// The block types the SIMD row kernels take, exact (AVX-512, AVX2) and 8-bit (AVX-512
-/// VNNI): those of real files' matrices (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0 and the K-quants
-/// Q2_K-Q6_K).
-#[cfg_attr(not(target_arch = "x86_64"), allow(dead_code))]
-pub(crate) const ROW_KERNEL_TYPES: [QuantType; 10] = [
-    QuantType::Q4_0,
-    QuantType::Q4_1,
-    QuantType::Q5_0,
-    QuantType::Q5_1,
-    QuantType::Q8_0,
-    QuantType::Q2K,
-    QuantType::Q3K,
-    QuantType::Q4K,
-    QuantType::Q5K,
-    QuantType::Q6K,
-];
-
-/// The 32-value block types as const parameters of the row kernels (one loop compiled per
-/// type).
-#[cfg(target_arch = "x86_64")]
-pub(crate) mod kind {
-    use crate::kernels::quant::blocks::QuantType;
-
-    pub(crate) const Q8_0: u8 = 0;
-    pub(crate) const Q4_0: u8 = 1;
-    pub(crate) const Q4_1: u8 = 2;
-    pub(crate) const Q5_0: u8 = 3;
-    pub(crate) const Q5_1: u8 = 4;
-
-    /// The type of kind `k`.
-    pub(crate) fn quant_type(k: u8) -> QuantType {
-        match k {
-            Q8_0 => QuantType::Q8_0,
-            Q4_0 => QuantType::Q4_0,
-            Q4_1 => QuantType::Q4_1,
-            Q5_0 => QuantType::Q5_0,
-            _ => QuantType::Q5_1,
-        }
-    }
-}
 
 /// `bytes` (whole blocks of `ty`) dequantized into `out`: gguf-py's values, as
 /// [`blocks::dequantize`] makes them, unpacked 16 at a time in registers where the AVX-512
@@ -101,28 +61,6 @@ pub(crate) mod kind {
 /// `false`, writing nothing, when the sizes do not agree.
 pub(crate) fn dequantize(ty: QuantType, bytes: &[u8], out: &mut [f32]) -> bool {
     quant_gemv_avx512::dequantize(ty, bytes, out) || blocks::dequantize(ty, bytes, out)
-}
-
-/// `(inputs a row of x, bytes a weight row)` when `rows` (whole rows of `ty`), `xs` (`r` rows
-/// of `x`) and `out` (row stride `ldo`, `r` values a weight row) fit together for the row
-/// kernels' `rows_dots`; `None` otherwise.
-pub(crate) fn rows_dots_shape(
-    ty: QuantType,
-    rows: &[u8],
-    xs: &[f32],
-    r: usize,
-    out: &[f32],
-    ldo: usize,
-) -> Option<(usize, usize)> {
-    let inp = xs.len() / r.max(1);
-    let row_bytes = ty.bytes_of(inp).filter(|&rb| rb > 0)?;
-    let n = rows.len() / row_bytes;
-    let fits = r > 0
-        && xs.len() == r * inp
-        && rows.len() == n * row_bytes
-        && ldo >= r
-        && (n == 0 || out.len() >= (n - 1) * ldo + r);
-    fits.then_some((inp, row_bytes))
 }
 
 /// The 8-bit row kernels a type runs on: AVX-512 VNNI (up to 4 rows of `x` per unpacked
@@ -304,7 +242,7 @@ pub(crate) fn quant_gemv_parts_rows(
 
 /// The number of rows of `inp` values in `xs`; an error when it is no whole number.
 fn rows_in(xs: &[f32], inp: usize) -> Result<usize> {
-    if inp == 0 || xs.len() % inp != 0 {
+    if inp == 0 || !xs.len().is_multiple_of(inp) {
         return Err(Error::Kernel(format!(
             "{} input values are no whole rows of {inp}",
             xs.len()
@@ -409,7 +347,7 @@ struct Rows<'a> {
 /// `data` is no whole number of such rows.
 fn row_shape(ty: QuantType, data: &[u8], inp: usize) -> Result<(usize, usize)> {
     ty.bytes_of(inp)
-        .filter(|&rb| rb > 0 && data.len() % rb == 0)
+        .filter(|&rb| rb > 0 && data.len().is_multiple_of(rb))
         .map(|rb| (rb, data.len() / rb))
         .ok_or_else(|| {
             Error::Kernel(format!(
@@ -564,6 +502,7 @@ mod tests {
     use super::*;
     use crate::kernels::decode::gemv::gemv;
     use crate::kernels::quant::blocks::tests::ggml;
+    use crate::kernels::quant::row_kinds::ROW_KERNEL_TYPES;
     use candle_core::quantized::QTensor;
     use candle_core::{Device, Tensor};
 

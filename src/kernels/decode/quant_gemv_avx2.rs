@@ -12,39 +12,27 @@
 #[cfg(target_arch = "x86_64")]
 use std::arch::x86_64::*;
 
-#[cfg(target_arch = "x86_64")]
 use crate::kernels::decode::held_lanes::HeldLanes;
 #[cfg(target_arch = "x86_64")]
-use crate::kernels::decode::quant_gemv::kind;
-use crate::kernels::decode::quant_gemv::rows_dots_shape;
+use crate::kernels::decode::x86_helpers::{fifth_bit_set, fifth_bits, nibbles};
 #[cfg(target_arch = "x86_64")]
-use crate::kernels::decode::quant_gemv::ROW_KERNEL_TYPES;
 #[cfg(target_arch = "x86_64")]
-use crate::kernels::decode::quant_gemv_int8_avx2::{fifth_bit_set, fifth_bits, nibbles};
+use crate::kernels::decode::x86_helpers::{
+    half_at, half_before, halves_at, q3_k_scales, q6_k_bytes,
+};
 #[cfg(target_arch = "x86_64")]
 use crate::kernels::quant::blocks::scales_mins_k4;
 use crate::kernels::quant::blocks::QuantType;
+#[cfg(target_arch = "x86_64")]
+use crate::kernels::quant::row_kinds::kind;
+use crate::kernels::quant::row_kinds::rows_dots_shape;
+#[cfg(target_arch = "x86_64")]
+use crate::kernels::quant::row_kinds::ROW_KERNEL_TYPES;
 
 /// Whether this CPU runs these kernels for `ty` (AVX2, FMA and F16C, and the instruction
 /// set not capped below AVX2).
 pub(crate) fn supports(ty: QuantType) -> bool {
-    #[cfg(target_arch = "x86_64")]
-    {
-        use crate::kernels::simd::{isa, Isa};
-        use std::sync::OnceLock;
-        static AVX2: OnceLock<bool> = OnceLock::new();
-        let cpu = *AVX2.get_or_init(|| {
-            is_x86_feature_detected!("avx2")
-                && is_x86_feature_detected!("fma")
-                && is_x86_feature_detected!("f16c")
-        }) && matches!(isa(), Isa::Avx512 | Isa::Avx2);
-        cpu && ROW_KERNEL_TYPES.contains(&ty)
-    }
-    #[cfg(not(target_arch = "x86_64"))]
-    {
-        let _ = ty;
-        false
-    }
+    crate::kernels::simd::avx2_fma_f16c() && ROW_KERNEL_TYPES.contains(&ty)
 }
 
 /// `sum_k W[k] x[k]` for one row (`row`: whole blocks of `ty`, `x.len()` values); `None` when
@@ -74,8 +62,7 @@ pub(crate) fn rows_dots<const R: usize>(
         // SAFETY: AVX2, FMA and F16C checked by `supports`; `rows` holds `n` rows of whole
         // blocks for `inp` values, `xs` `R` rows of `inp` values, `out` `(n - 1) ldo + R`
         // floats.
-        unsafe { rows_dots_avx2::<R>(ty, rows, row_bytes, xs.as_ptr(), inp, out, ldo) };
-        true
+        unsafe { rows_dots_avx2::<R>(ty, rows, row_bytes, xs.as_ptr(), inp, out, ldo) }
     }
     #[cfg(not(target_arch = "x86_64"))]
     {
@@ -85,7 +72,7 @@ pub(crate) fn rows_dots<const R: usize>(
 }
 
 #[cfg(target_arch = "x86_64")]
-use crate::kernels::decode::quant_gemv::kind::{Q4_0, Q4_1, Q5_0, Q5_1, Q8_0};
+use crate::kernels::quant::row_kinds::kind::{Q4_0, Q4_1, Q5_0, Q5_1, Q8_0};
 
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx2,fma,f16c")]
@@ -97,7 +84,7 @@ unsafe fn rows_dots_avx2<const R: usize>(
     inp: usize,
     out: &mut [f32],
     ldo: usize,
-) {
+) -> bool {
     use crate::kernels::decode::prefetch::{rows_ahead, AHEAD};
     // One loop over the rows per type, the kernel inlined in it; the rows' sums reduced 8
     // at a time (one transposing tree instead of a horizontal sum per row); each row's
@@ -138,8 +125,11 @@ unsafe fn rows_dots_avx2<const R: usize>(
         QuantType::Q4K => each_row!(row => dot_q4_k::<R, false>(row, xs, inp)),
         QuantType::Q5K => each_row!(row => dot_q4_k::<R, true>(row, xs, inp)),
         QuantType::Q6K => each_row!(row => dot_q6_k::<R>(row, xs, inp)),
-        _ => each_row!(row => dot_blocks::<Q5_1, R>(row, xs, inp)),
+        QuantType::Q5_1 => each_row!(row => dot_blocks::<Q5_1, R>(row, xs, inp)),
+        // `supports` filtered the types: another has no kernel here.
+        _ => return false,
     }
+    true
 }
 
 /// `out[ldo i + r]` = the sum of `pending[r][i]`'s lanes for `i < n`.
@@ -183,51 +173,6 @@ unsafe fn sum8(v: &[__m256; 8]) -> __m256 {
         _mm256_permute2f128_ps::<0x20>(x[0], x[1]),
         _mm256_permute2f128_ps::<0x31>(x[0], x[1]),
     )
-}
-
-/// The sum of the 8 lanes.
-#[cfg(target_arch = "x86_64")]
-#[inline]
-#[target_feature(enable = "avx2,fma,f16c")]
-pub(crate) unsafe fn hsum(v: __m256) -> f32 {
-    let s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-    let s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-    _mm_cvtss_f32(_mm_add_ss(s, _mm_shuffle_ps(s, s, 1)))
-}
-
-/// The f16 at `p` and `p + 2` as the f32 lanes `(a, b, 0, 0)`, with the CPU's conversion
-/// (exact). The four bytes are read by a `vmovd`, which writes its whole register: left to
-/// the compiler, the read shrinks to a 16-bit insert (`vpinsrw`) into whatever register it
-/// picks, and then waits for that register's last writer, often a loop's accumulator
-/// (Q8_0 rows were half again as slow so on Zen 4).
-///
-/// # Safety
-/// AVX and F16C (every caller's target has them); four readable bytes at `p`.
-#[cfg(target_arch = "x86_64")]
-#[inline(always)]
-pub(crate) unsafe fn halves_at(p: *const u8) -> __m128 {
-    let bits: __m128i;
-    std::arch::asm!(
-        "vmovd {bits}, dword ptr [{p}]",
-        bits = out(xmm_reg) bits,
-        p = in(reg) p,
-        options(pure, readonly, nostack, preserves_flags),
-    );
-    _mm_cvtph_ps(bits)
-}
-
-/// The f16 at `p` as f32 ([`halves_at`]; four readable bytes at `p`).
-#[cfg(target_arch = "x86_64")]
-#[inline(always)]
-pub(crate) unsafe fn half_at(p: *const u8) -> f32 {
-    _mm_cvtss_f32(halves_at(p))
-}
-
-/// The f16 ending a block at `end` (Q6_K's `d`) as f32: read with the two bytes before it.
-#[cfg(target_arch = "x86_64")]
-#[inline(always)]
-pub(crate) unsafe fn half_before(end: *const u8) -> f32 {
-    _mm_cvtss_f32(_mm_movehdup_ps(halves_at(end.sub(4))))
 }
 
 /// Bytes `8 i..8 i + 8` of `v` (`i = half`), signed or unsigned, as 8 i32 lanes.
@@ -390,28 +335,6 @@ unsafe fn dot_blocks<const K: u8, const R: usize>(
         }
     }
     acc
-}
-
-/// The 32 values `q - 32` of the Q6_K block at `b` from value `128 h + 32 t` on, as signed
-/// bytes: the low four bits from `ql[64 h + 32 (t % 2) + l] >> 4 (t / 2)`, the high two from
-/// `qh[32 h + l] >> 2 t` (both row kernels' unpacking).
-#[cfg(target_arch = "x86_64")]
-#[inline]
-#[target_feature(enable = "avx2")]
-pub(crate) unsafe fn q6_k_bytes(b: *const u8, h: usize, t: usize) -> __m256i {
-    let (nibbles, twos) = (_mm256_set1_epi8(0x0F), _mm256_set1_epi8(0x03));
-    let qh = _mm256_loadu_si256(b.add(128 + 32 * h) as *const __m256i);
-    let ql = _mm256_loadu_si256(b.add(64 * h + 32 * (t % 2)) as *const __m256i);
-    let low = if t / 2 == 0 {
-        _mm256_and_si256(ql, nibbles)
-    } else {
-        _mm256_and_si256(_mm256_srli_epi16(ql, 4), nibbles)
-    };
-    let high = _mm256_and_si256(_mm256_srl_epi16(qh, _mm_cvtsi32_si128(2 * t as i32)), twos);
-    _mm256_sub_epi8(
-        _mm256_or_si256(low, _mm256_slli_epi16(high, 4)),
-        _mm256_set1_epi8(32),
-    )
 }
 
 /// `acc += (dl * q - ml) * x` over 32 values `q` in four groups of 8 i32 lanes (gguf-py's
@@ -596,34 +519,6 @@ unsafe fn dot_q2_q3_k<const R: usize, const Q3: bool>(
     acc
 }
 
-/// The 16 scales `- 32` of a Q3_K block from its 12 scale bytes at `p`, as signed bytes,
-/// group `g` in byte `g`: the low four bits from `sc[g % 8] >> 4 (g / 8)`, the high two
-/// from `sc[8 + g % 4] >> 2 (g / 4)` (llama.cpp's unpacking over 32-bit words, the four
-/// words side by side).
-///
-/// # Safety
-/// AVX2; 12 readable bytes at `p`.
-#[cfg(target_arch = "x86_64")]
-#[inline]
-#[target_feature(enable = "avx2")]
-pub(crate) unsafe fn q3_k_scales(p: *const u8) -> __m128i {
-    let a = _mm_loadl_epi64(p as *const __m128i); // words a0, a1
-    let high = _mm_set1_epi32(std::ptr::read_unaligned(p.add(8) as *const i32));
-    // Words [a0, a1, a0 >> 4, a1 >> 4] & 0x0F0F0F0F: the low four bits.
-    let low = _mm_srlv_epi32(
-        _mm_shuffle_epi32::<0b01_00_01_00>(a),
-        _mm_setr_epi32(0, 0, 4, 4),
-    );
-    let low = _mm_and_si128(low, _mm_set1_epi8(0x0F));
-    // [high, high >> 2, high >> 4, high >> 6] & 0x03030303, moved up by 4.
-    let top = _mm_and_si128(
-        _mm_srlv_epi32(high, _mm_setr_epi32(0, 2, 4, 6)),
-        _mm_set1_epi8(3),
-    );
-    let six = _mm_or_si128(low, _mm_slli_epi32::<4>(top));
-    _mm_sub_epi8(six, _mm_set1_epi8(32))
-}
-
 /// Q6_K rows: `{ u8 ql[128]; u8 qh[64]; i8 scales[16]; f16 d }` per 256 values; value
 /// `128 h + 32 t + l` is `(d * scales[8 h + 2 t + l / 16]) * (q - 32)` with the low four
 /// bits from `ql[64 h + 32 (t % 2) + l] >> 4 (t / 2)` and the high two from
@@ -668,47 +563,6 @@ unsafe fn dot_q6_k<const R: usize>(row: &[u8], xp: *const f32, inp: usize) -> [[
         }
     }
     acc
-}
-
-#[cfg(all(test, target_arch = "x86_64"))]
-mod tests {
-    use super::*;
-
-    #[test]
-    #[cfg_attr(
-        not(isa_avx2),
-        ignore = "needs AVX2 + FMA + F16C, absent here or capped by CANDLE_ATTENTION_ISA"
-    )]
-    fn half_scales_convert_exactly() {
-        assert!(
-            supports(QuantType::Q8_0),
-            "built for this CPU's kernels, running without them"
-        );
-        for bits in (0..=u16::MAX).step_by(7) {
-            let other = bits.rotate_left(5);
-            let mut b = [0u8; 6];
-            b[..2].copy_from_slice(&other.to_le_bytes());
-            b[2..4].copy_from_slice(&bits.to_le_bytes());
-            b[4..].copy_from_slice(&other.to_le_bytes());
-            let want = half::f16::from_bits(bits).to_f32();
-            // SAFETY: F16C checked above; four bytes readable at each pointer.
-            let got = unsafe {
-                let pair = halves_at(b.as_ptr().add(2));
-                [
-                    half_at(b.as_ptr().add(2)),
-                    half_before(b.as_ptr().add(4)),
-                    _mm_cvtss_f32(pair),
-                    _mm_cvtss_f32(_mm_movehdup_ps(halves_at(b.as_ptr()))),
-                ]
-            };
-            for g in got {
-                assert!(
-                    g.to_bits() == want.to_bits() || (g.is_nan() && want.is_nan()),
-                    "{bits:#x}"
-                );
-            }
-        }
-    }
 }
 
 #[cfg(all(test, target_arch = "x86_64"))]

@@ -9,25 +9,23 @@
 //! integers' products with `x` are summed and then multiplied by `d` once: the same sum as
 //! gguf-py's values times `x` in exact arithmetic, rounded differently (f32 rounding).
 
-// The AVX-512 intrinsics are stable since Rust 1.89, above the `rust-version` the manifest
-// declares; candle-core 0.11 itself needs 1.89 on x86-64 (as in `microkernel.rs`).
-#![allow(clippy::incompatible_msrv)]
-
 #[cfg(target_arch = "x86_64")]
 use std::arch::x86_64::*;
 
-#[cfg(target_arch = "x86_64")]
 use crate::kernels::decode::held_lanes::HeldLanes;
 #[cfg(target_arch = "x86_64")]
-use crate::kernels::decode::quant_gemv::kind;
-use crate::kernels::decode::quant_gemv::rows_dots_shape;
 #[cfg(target_arch = "x86_64")]
-use crate::kernels::decode::quant_gemv::ROW_KERNEL_TYPES;
+use crate::kernels::decode::x86_helpers::RowSums;
 #[cfg(target_arch = "x86_64")]
-use crate::kernels::decode::quant_gemv_avx2::{half_before, halves_at, q3_k_scales, q6_k_bytes};
+use crate::kernels::decode::x86_helpers::{half_before, halves_at, q3_k_scales, q6_k_bytes};
 #[cfg(target_arch = "x86_64")]
 use crate::kernels::quant::blocks::scales_mins_k4;
 use crate::kernels::quant::blocks::QuantType;
+#[cfg(target_arch = "x86_64")]
+use crate::kernels::quant::row_kinds::kind;
+use crate::kernels::quant::row_kinds::rows_dots_shape;
+#[cfg(target_arch = "x86_64")]
+use crate::kernels::quant::row_kinds::ROW_KERNEL_TYPES;
 #[cfg(target_arch = "x86_64")]
 use crate::kernels::simd::{isa, Isa};
 
@@ -72,8 +70,7 @@ pub(crate) fn rows_dots<const R: usize>(
     {
         // SAFETY: AVX-512F checked by `supports`; `rows` holds `n` rows of whole
         // blocks, `xs` `R` rows of `inp` values, `out` `(n - 1) ldo + R` floats.
-        unsafe { rows_dots_avx512::<R>(ty, rows, row_bytes, xs.as_ptr(), inp, out, ldo) };
-        true
+        unsafe { rows_dots_avx512::<R>(ty, rows, row_bytes, xs.as_ptr(), inp, out, ldo) }
     }
     #[cfg(not(target_arch = "x86_64"))]
     {
@@ -84,7 +81,7 @@ pub(crate) fn rows_dots<const R: usize>(
 
 /// The block kinds, as const parameters: one loop compiled per type.
 #[cfg(target_arch = "x86_64")]
-use crate::kernels::decode::quant_gemv::kind::{Q4_0, Q4_1, Q5_0, Q5_1, Q8_0};
+use crate::kernels::quant::row_kinds::kind::{Q4_0, Q4_1, Q5_0, Q5_1, Q8_0};
 
 /// [`rows_dots`] once checked.
 ///
@@ -101,7 +98,7 @@ unsafe fn rows_dots_avx512<const R: usize>(
     inp: usize,
     out: &mut [f32],
     ldo: usize,
-) {
+) -> bool {
     use crate::kernels::decode::prefetch::{rows_ahead, AHEAD};
     // One loop over the rows per type, the kernel inlined in it; the rows' sums reduced
     // 16 at a time (one transposing tree instead of a horizontal sum per row); each row's
@@ -132,8 +129,11 @@ unsafe fn rows_dots_avx512<const R: usize>(
         QuantType::Q4K => each_row!(row => dot_k::<R, Q4K>(row, xs, inp)),
         QuantType::Q5K => each_row!(row => dot_k::<R, Q5K>(row, xs, inp)),
         QuantType::Q6K => each_row!(row => dot_k::<R, Q6K>(row, xs, inp)),
-        _ => each_row!(row => dot_blocks::<Q5_1, R>(row, xs, inp, hold)),
+        QuantType::Q5_1 => each_row!(row => dot_blocks::<Q5_1, R>(row, xs, inp, hold)),
+        // `supports` filtered the types: another has no kernel here.
+        _ => return false,
     }
+    true
 }
 
 /// `bytes` (whole blocks of `ty`) dequantized into `out`, the same values as
@@ -246,105 +246,6 @@ unsafe fn five_bit_indices(bytes: __m512i, qh: *const u8) -> (__m512i, __m512i) 
             _mm512_rolv_epi32(qh, to_hi),
             _mm512_srli_epi32::<4>(bytes),
         ),
-    )
-}
-
-/// Weight rows' sum vectors (one per row of `x`) gathered 16 rows at a time and written out
-/// reduced: `out[ldo j + r]` = the sum of row `j`'s vector `r`'s lanes.
-#[cfg(target_arch = "x86_64")]
-pub(crate) struct RowSums<'a, const R: usize> {
-    pending: [[__m512; 16]; R],
-    filled: usize,
-    out: &'a mut [f32],
-    ldo: usize,
-}
-
-#[cfg(target_arch = "x86_64")]
-impl<'a, const R: usize> RowSums<'a, R> {
-    /// Sums for rows `0..` of `out` (row stride `ldo`).
-    #[inline]
-    #[target_feature(enable = "avx512f")]
-    pub(crate) fn new(out: &'a mut [f32], ldo: usize) -> Self {
-        Self {
-            pending: [[_mm512_setzero_ps(); 16]; R],
-            filled: 0,
-            out,
-            ldo,
-        }
-    }
-
-    /// The next row's vectors.
-    #[inline]
-    #[target_feature(enable = "avx512f")]
-    pub(crate) fn push(&mut self, sums: [__m512; R]) {
-        for (p, s) in self.pending.iter_mut().zip(sums) {
-            p[self.filled] = s;
-        }
-        self.filled += 1;
-        if self.filled == 16 {
-            self.write();
-        }
-    }
-
-    /// Writes the rows still gathered.
-    #[inline]
-    #[target_feature(enable = "avx512f")]
-    pub(crate) fn finish(mut self) {
-        if self.filled > 0 {
-            for p in self.pending.iter_mut() {
-                p[self.filled..].fill(_mm512_setzero_ps());
-            }
-            self.write();
-        }
-    }
-
-    #[inline]
-    #[target_feature(enable = "avx512f")]
-    fn write(&mut self) {
-        let (n, ldo) = (self.filled, self.ldo);
-        for (r, p) in self.pending.iter().enumerate() {
-            let mut sums = [0f32; 16];
-            // SAFETY: 16 floats to a local array.
-            unsafe { _mm512_storeu_ps(sums.as_mut_ptr(), sum16(p)) };
-            for (i, &s) in sums.iter().take(n).enumerate() {
-                self.out[i * ldo + r] = s;
-            }
-        }
-        let next = (n * ldo).min(self.out.len());
-        self.out = &mut std::mem::take(&mut self.out)[next..];
-        self.filled = 0;
-    }
-}
-
-/// Lane `i` = the sum of `v[i]`'s 16 lanes, in an order that depends on `v[i]` alone.
-#[cfg(target_arch = "x86_64")]
-#[inline]
-#[target_feature(enable = "avx512f")]
-unsafe fn sum16(v: &[__m512; 16]) -> __m512 {
-    // Pairs: per 128-bit lane (a0 + a2, b0 + b2, a1 + a3, b1 + b3).
-    let w: [__m512; 8] = std::array::from_fn(|i| {
-        let (a, b) = (v[2 * i], v[2 * i + 1]);
-        _mm512_add_ps(_mm512_unpacklo_ps(a, b), _mm512_unpackhi_ps(a, b))
-    });
-    // Fours: per 128-bit lane, one partial sum of each of 4 rows.
-    let x: [__m512; 4] = std::array::from_fn(|i| {
-        let (a, b) = (_mm512_castps_pd(w[2 * i]), _mm512_castps_pd(w[2 * i + 1]));
-        _mm512_add_ps(
-            _mm512_castpd_ps(_mm512_unpacklo_pd(a, b)),
-            _mm512_castpd_ps(_mm512_unpackhi_pd(a, b)),
-        )
-    });
-    // The four 128-bit lanes of each summed; lane group k holds rows 4k..4k + 4.
-    let y: [__m512; 2] = std::array::from_fn(|i| {
-        let (a, b) = (x[2 * i], x[2 * i + 1]);
-        _mm512_add_ps(
-            _mm512_shuffle_f32x4::<0b10_00_10_00>(a, b),
-            _mm512_shuffle_f32x4::<0b11_01_11_01>(a, b),
-        )
-    });
-    _mm512_add_ps(
-        _mm512_shuffle_f32x4::<0b10_00_10_00>(y[0], y[1]),
-        _mm512_shuffle_f32x4::<0b11_01_11_01>(y[0], y[1]),
     )
 }
 
@@ -604,7 +505,7 @@ unsafe fn q6_k_values(b: *const u8, mut f: impl FnMut(usize, __m512)) {
 /// Whether the 32-value kernels hold every type's scales in memory (eight blocks a step),
 /// not only Q4_0's and Q5_0's: on an Intel Xeon, where lane broadcasts and permutes share
 /// one port with half the FMAs, that took Q4_1 / Q5_1 / Q8_0 22% / 17% / 17% fewer ticks; on
-/// AMD Zen 4 (two shuffle pipes) it was no faster (see docs/performance.md).
+/// AMD Zen 4 (two shuffle pipes) it was no faster (see docs/performance-archive.md).
 #[cfg(target_arch = "x86_64")]
 fn hold_all_scales() -> bool {
     #[cfg(test)]
@@ -688,7 +589,7 @@ unsafe fn dot_blocks<const K: u8, const R: usize>(
     // in memory, each block's read back broadcast (no lane permutes: see `held_lanes`).
     // Q4_1, Q5_1 and Q8_0 only where `hold` says so.
     while (K == Q4_0 || K == Q5_0 || hold) && i + 8 <= n {
-        use crate::kernels::decode::quant_gemv_int8_avx2::halves8;
+        use crate::kernels::decode::x86_helpers::halves8;
         let at = bp.add(i * size);
         let mut held = HeldLanes::new();
         // Block `k`'s `d` in lane `d_at k`, its `m` in lane `m_at + d_at k`.
@@ -894,56 +795,5 @@ unsafe fn block_values_dm<const K: u8>(b: *const u8, d: __m512, m: __m512) -> (_
                 _mm512_permutex2var_ps(t0, hi, t1),
             )
         }
-    }
-}
-
-#[cfg(all(test, target_arch = "x86_64"))]
-mod tests {
-    use super::*;
-
-    /// The vector unpacking gives each group's scale as the per-group formula does, on
-    /// scale bytes of every pattern.
-    #[test]
-    #[cfg_attr(not(cpu_avx2), ignore = "needs a CPU with AVX2 + FMA + F16C")]
-    fn q3_k_scales_are_the_per_group_formula() {
-        assert!(
-            is_x86_feature_detected!("avx2"),
-            "built for this CPU's kernels, running without them"
-        );
-        for seed in 0..2000u32 {
-            let sc: [u8; 12] = std::array::from_fn(|i| {
-                (seed.wrapping_mul(2_654_435_761).rotate_left(i as u32 * 3) >> 7) as u8
-                    ^ (i as u8).wrapping_mul(37)
-                    ^ seed as u8
-            });
-            let want: [i8; 16] = std::array::from_fn(|g| {
-                let low = (sc[g % 8] >> (4 * (g / 8))) & 0x0F;
-                let high = (sc[8 + g % 4] >> (2 * (g / 4))) & 0x03;
-                (low | (high << 4)) as i8 - 32
-            });
-            let mut got = [0i8; 16];
-            // SAFETY: AVX2 checked above; 12 readable bytes, 16 writable.
-            unsafe { _mm_storeu_si128(got.as_mut_ptr() as *mut __m128i, q3_k_scales(sc.as_ptr())) };
-            assert_eq!(got, want, "{sc:?}");
-        }
-    }
-
-    /// Each lane is its vector's sum, whatever the other vectors hold.
-    #[test]
-    #[cfg_attr(not(cpu_avx512), ignore = "needs a CPU with AVX-512F")]
-    fn sum16_gives_each_vector_its_own_sum() {
-        assert!(
-            is_x86_feature_detected!("avx512f"),
-            "built for this CPU's kernels, running without them"
-        );
-        crate::kernels::decode::quant_gemv::check_sum_tree::<16>(|v| {
-            let mut out = [0f32; 16];
-            // SAFETY: AVX-512F checked above; 16 floats read and written per vector.
-            unsafe {
-                let v = v.map(|l| _mm512_loadu_ps(l.as_ptr()));
-                _mm512_storeu_ps(out.as_mut_ptr(), sum16(&v));
-            }
-            out
-        });
     }
 }

@@ -15,14 +15,17 @@
 #[cfg(target_arch = "x86_64")]
 use std::arch::x86_64::*;
 
-use crate::kernels::decode::quant_gemv_vnni::{rows_dots_shape, QuantizedX};
+#[cfg(target_arch = "x86_64")]
+use crate::kernels::decode::x86_helpers::{halves8, weights, with_x};
+use crate::kernels::quant::activations::{rows_dots_shape, QuantizedX};
 use crate::kernels::quant::blocks::QuantType;
+use crate::kernels::quant::row_kinds::ROW_KERNEL_TYPES;
 
 /// Whether this CPU runs these kernels for `ty`: where it runs the exact AVX2 ones (AVX2,
 /// FMA and F16C, the instruction set not capped below AVX2; the types of
-/// [`crate::kernels::decode::quant_gemv::ROW_KERNEL_TYPES`]).
+/// [`crate::kernels::quant::row_kinds::ROW_KERNEL_TYPES`]).
 pub(crate) fn supports(ty: QuantType) -> bool {
-    crate::kernels::decode::quant_gemv_avx2::supports(ty)
+    crate::kernels::simd::avx2_fma_f16c() && ROW_KERNEL_TYPES.contains(&ty)
 }
 
 /// `sum_k W[k] x[k]` for one row of `ty` blocks against `x` quantized; `None` when this CPU
@@ -51,8 +54,8 @@ pub(crate) fn rows_dots<const R: usize>(
     #[cfg(target_arch = "x86_64")]
     {
         use crate::kernels::decode::prefetch::{rows_ahead, AHEAD};
-        use crate::kernels::decode::quant_gemv::kind::{Q4_0, Q4_1, Q5_0, Q5_1, Q8_0};
-        use crate::kernels::decode::quant_gemv_vnni::{FIVE_BITS, FOUR_BITS, THREE_BITS, TWO_BITS};
+        use crate::kernels::quant::row_kinds::kind::{Q4_0, Q4_1, Q5_0, Q5_1, Q8_0};
+        use crate::kernels::quant::row_kinds::{FIVE_BITS, FOUR_BITS, THREE_BITS, TWO_BITS};
         let end = rows.as_ptr_range().end;
         // Each row's lines requested `AHEAD` bytes ahead.
         macro_rules! each_row {
@@ -76,7 +79,9 @@ pub(crate) fn rows_dots<const R: usize>(
             QuantType::Q6K => each_row!(dot_q6_k),
             QuantType::Q2K => each_row!(dot_q2_q3_k::<TWO_BITS>),
             QuantType::Q3K => each_row!(dot_q2_q3_k::<THREE_BITS>),
-            _ => each_row!(dot::<Q5_1>),
+            QuantType::Q5_1 => each_row!(dot::<Q5_1>),
+            // `supports` filtered the types: another has no kernel here.
+            _ => return false,
         }
         true
     }
@@ -85,46 +90,6 @@ pub(crate) fn rows_dots<const R: usize>(
         let _ = (out, ldo, row_bytes);
         false
     }
-}
-
-/// The 32 values of a 4-bit block's 16 bytes at `qs` as unsigned bytes in value order
-/// (values `j` in the low nibbles, `16 + j` in the high ones).
-#[cfg(target_arch = "x86_64")]
-#[inline(always)]
-pub(crate) unsafe fn nibbles(qs: *const u8) -> __m256i {
-    let b = _mm_loadu_si128(qs as *const __m128i);
-    let mask = _mm_set1_epi8(0x0F);
-    let lo = _mm_and_si128(b, mask);
-    let hi = _mm_and_si128(_mm_srli_epi16::<4>(b), mask);
-    _mm256_set_m128i(hi, lo)
-}
-
-/// 0x10 in byte `j` where bit `j` of the u32 at `qh` is set (the 5-bit types' high bits).
-#[cfg(target_arch = "x86_64")]
-#[inline(always)]
-pub(crate) unsafe fn fifth_bits(qh: *const u8) -> __m256i {
-    _mm256_and_si256(fifth_bit_set(qh), _mm256_set1_epi8(0x10))
-}
-
-/// 0xFF in byte `j` where bit `j` of the u32 at `qh` is set, else 0: each byte of the
-/// broadcast bits picked for its 8 lanes, then compared whole.
-#[cfg(target_arch = "x86_64")]
-#[inline(always)]
-pub(crate) unsafe fn fifth_bit_set(qh: *const u8) -> __m256i {
-    use crate::kernels::decode::quant_gemv_vnni::read_u32;
-    let bits = _mm256_set1_epi32(read_u32(qh) as i32);
-    let spread = _mm256_shuffle_epi8(
-        bits,
-        _mm256_setr_epi64x(
-            0,
-            0x0101_0101_0101_0101,
-            0x0202_0202_0202_0202,
-            0x0303_0303_0303_0303,
-        ),
-    );
-    // All other bits of each byte set: the byte is 0xFF exactly where its own bit is.
-    let others = _mm256_or_si256(spread, _mm256_set1_epi64x(0x7fbf_dfef_f7fb_fdfe));
-    _mm256_cmpeq_epi8(others, _mm256_set1_epi64x(-1))
 }
 
 /// One row of `K` blocks at `b0` against each of the `R` rows of `xs`: per block the byte
@@ -137,8 +102,8 @@ pub(crate) unsafe fn fifth_bit_set(qh: *const u8) -> __m256i {
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx2,fma,f16c")]
 unsafe fn dot<const K: u8, const R: usize>(b0: *const u8, xs: &[QuantizedX]) -> [f32; R] {
-    use crate::kernels::decode::quant_gemv::kind::{self, Q4_0, Q5_0, Q8_0};
-    use crate::kernels::decode::quant_gemv_avx2::hsum;
+    use crate::kernels::decode::x86_helpers::hsum;
+    use crate::kernels::quant::row_kinds::kind::{self, Q4_0, Q5_0, Q8_0};
     let size = kind::quant_type(K).block_bytes();
     let n = xs[0].d.len();
     let (mut even, mut odd) = ([_mm256_setzero_ps(); R], [_mm256_setzero_ps(); R]);
@@ -209,27 +174,6 @@ unsafe fn dot<const K: u8, const R: usize>(b0: *const u8, xs: &[QuantizedX]) -> 
     })
 }
 
-/// The f16 at `p` and at each of the next 7 strides of `stride` bytes (one field of 8
-/// consecutive blocks: their `d`, or `m`) as 8 f32 lanes. Gathered into two 64-bit words by
-/// scalar loads and shifts: eight `vpinsrw` took the shuffle ports the 8-bit kernels need
-/// (Q4_1 from L2: 3.6 -> 3.3 cycles a block; see docs/performance.md).
-///
-/// # Safety
-/// AVX2 and F16C; two readable bytes at `p + k stride` for `k < 8`.
-#[cfg(target_arch = "x86_64")]
-#[inline(always)]
-pub(crate) unsafe fn halves8(p: *const u8, stride: usize) -> __m256 {
-    let h = |k: usize| {
-        u64::from(u16::from_le_bytes([
-            *p.add(k * stride),
-            *p.add(k * stride + 1),
-        ]))
-    };
-    let lo = h(0) | h(1) << 16 | h(2) << 32 | h(3) << 48;
-    let hi = h(4) | h(5) << 16 | h(6) << 32 | h(7) << 48;
-    _mm256_cvtph_ps(_mm_set_epi64x(hi as i64, lo as i64))
-}
-
 /// One Q4_K row (with `Q5`, Q5_K: `u8 qh[32]` before `qs`, bit `g` of `qh[l]` the fifth bit
 /// of value `l` of group `g`) against each of the `R` rows of `xs` (the layout in
 /// `quant_gemv_vnni`'s kernel): per 32-value group `g`, its 4- or 5-bit values against `x`'s
@@ -242,7 +186,7 @@ pub(crate) unsafe fn halves8(p: *const u8, stride: usize) -> __m256 {
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx2,fma,f16c")]
 unsafe fn dot_q4_k<const Q5: bool, const R: usize>(b0: *const u8, xs: &[QuantizedX]) -> [f32; R] {
-    use crate::kernels::decode::quant_gemv_avx2::{halves_at, hsum};
+    use crate::kernels::decode::x86_helpers::{halves_at, hsum};
     use crate::kernels::quant::blocks::scales_mins_k4;
     let (mut even, mut odd) = ([_mm256_setzero_ps(); R], [_mm256_setzero_ps(); R]);
     let mut terms = [0f32; R];
@@ -314,7 +258,7 @@ unsafe fn dot_q2_q3_k<const Q3: bool, const R: usize>(
     b0: *const u8,
     xs: &[QuantizedX],
 ) -> [f32; R] {
-    use crate::kernels::decode::quant_gemv_avx2::{half_before, halves_at, hsum, q3_k_scales};
+    use crate::kernels::decode::x86_helpers::{half_before, halves_at, hsum, q3_k_scales};
     let (mut even, mut odd) = ([_mm256_setzero_ps(); R], [_mm256_setzero_ps(); R]);
     let (size, qs_at) = if Q3 { (110, 32) } else { (84, 16) };
     let (twos, one, ones) = (
@@ -424,7 +368,7 @@ unsafe fn dot_q2_q3_k<const Q3: bool, const R: usize>(
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx2,fma,f16c")]
 unsafe fn dot_q6_k<const R: usize>(b0: *const u8, xs: &[QuantizedX]) -> [f32; R] {
-    use crate::kernels::decode::quant_gemv_avx2::{half_before, hsum};
+    use crate::kernels::decode::x86_helpers::{half_before, hsum};
     let (mut even, mut odd) = ([_mm256_setzero_ps(); R], [_mm256_setzero_ps(); R]);
     let (fours, twos, ones) = (
         _mm256_set1_epi8(0x0F),
@@ -472,87 +416,4 @@ unsafe fn dot_q6_k<const R: usize>(b0: *const u8, xs: &[QuantizedX]) -> [f32; R]
         }
     }
     std::array::from_fn(|r| hsum(_mm256_add_ps(even[r], odd[r])))
-}
-
-/// Block `i` of a row (at `b`) against block `i` of `x`, added to `acc` (8 lanes of
-/// `d dx q qx` sums) and `terms` (its offset or `m` term).
-///
-/// # Safety
-/// AVX2, FMA and F16C; `b` points at a whole `K` block, `i` below `x.d.len()`.
-#[cfg(target_arch = "x86_64")]
-#[inline(always)]
-pub(crate) unsafe fn block<const K: u8>(
-    b: *const u8,
-    x: &QuantizedX,
-    i: usize,
-    acc: &mut __m256,
-    terms: &mut f32,
-) {
-    with_x::<K>(weights::<K>(b), x, i, acc, terms);
-}
-
-/// A block's values as bytes, unpacked once for any number of rows of `x`: the integers
-/// (Q8_0's signed ones as they are stored), `d`, and the factor of `dx sum qx` (the offset
-/// or `m` term).
-#[cfg(target_arch = "x86_64")]
-#[derive(Clone, Copy)]
-struct Weights {
-    q: __m256i,
-    d: f32,
-    term: f32,
-}
-
-/// The block at `b` unpacked ([`Weights`]).
-///
-/// # Safety
-/// AVX2, FMA and F16C; `b` points at a whole `K` block.
-#[cfg(target_arch = "x86_64")]
-#[inline(always)]
-unsafe fn weights<const K: u8>(b: *const u8) -> Weights {
-    use crate::kernels::decode::quant_gemv::kind::{Q4_0, Q4_1, Q5_0, Q8_0};
-    use crate::kernels::decode::quant_gemv_avx2::half_at;
-    let d = half_at(b);
-    let (q, term) = match K {
-        Q8_0 => (_mm256_loadu_si256(b.add(2) as *const __m256i), 0.0),
-        Q4_0 => (nibbles(b.add(2)), -8.0 * d),
-        Q4_1 => (nibbles(b.add(4)), half_at(b.add(2))),
-        Q5_0 => (
-            _mm256_or_si256(nibbles(b.add(6)), fifth_bits(b.add(2))),
-            -16.0 * d,
-        ),
-        _ => (
-            _mm256_or_si256(nibbles(b.add(8)), fifth_bits(b.add(4))),
-            half_at(b.add(2)),
-        ),
-    };
-    Weights { q, d, term }
-}
-
-/// Unpacked block `w` (block `i` of its row) against block `i` of `x`, added to `acc` and
-/// `terms` as [`block`] adds them. Q8_0's signed weights go in as their magnitudes, their
-/// signs moved onto `x`.
-///
-/// # Safety
-/// AVX2, FMA and F16C; `i` below `x.d.len()`.
-#[cfg(target_arch = "x86_64")]
-#[inline(always)]
-unsafe fn with_x<const K: u8>(
-    w: Weights,
-    x: &QuantizedX,
-    i: usize,
-    acc: &mut __m256,
-    terms: &mut f32,
-) {
-    use crate::kernels::decode::quant_gemv::kind::Q8_0;
-    let xv = _mm256_loadu_si256(x.qs.as_ptr().add(32 * i) as *const __m256i);
-    let (q, xv) = if K == Q8_0 {
-        (_mm256_sign_epi8(w.q, w.q), _mm256_sign_epi8(xv, w.q))
-    } else {
-        (w.q, xv)
-    };
-    let pairs = _mm256_maddubs_epi16(q, xv);
-    let sums = _mm256_madd_epi16(pairs, _mm256_set1_epi16(1));
-    let scale = _mm256_set1_ps(w.d * *x.d.get_unchecked(i));
-    *acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sums), scale, *acc);
-    *terms += w.term * *x.dsum.get_unchecked(i);
 }

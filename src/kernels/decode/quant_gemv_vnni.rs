@@ -14,172 +14,25 @@
 //! term per group, Q6_K and Q3_K with their offsets of 32 and 4, Q2_K with its mins.
 //! The error against the f32 product is the quantization of `x` alone (the weight's values
 //! are exact): at most `sum_k |w_k| dx / 2` per block.
-
-// The AVX-512 intrinsics are stable since Rust 1.89, above the `rust-version` the manifest
-// declares; candle-core 0.11 itself needs 1.89 on x86-64 (as in `microkernel.rs`).
-#![allow(clippy::incompatible_msrv)]
 #![cfg_attr(not(target_arch = "x86_64"), allow(dead_code))]
 
 #[cfg(target_arch = "x86_64")]
 use std::arch::x86_64::*;
 
-use crate::kernels::decode::lines::Lines;
-#[cfg(any(target_arch = "x86_64", test))]
-use crate::kernels::decode::quant_gemv::ROW_KERNEL_TYPES;
 #[cfg(target_arch = "x86_64")]
-use crate::kernels::decode::quant_gemv_int8_avx2;
+use crate::kernels::decode::x86_helpers::read_u32;
+use crate::kernels::quant::activations::{rows_dots_shape, QuantizedX};
 use crate::kernels::quant::blocks::QuantType;
-
-/// `x` in 32-value blocks of signed bytes: `x[32 i + j] ~ qs[32 i + j] * d[i]`, and
-/// `dsum[i] = d[i] * sum_j qs[32 i + j]` (the offset and `m` terms' factor). `qs` on
-/// 64-byte lines ([`Lines`]), as the kernels read them.
-#[derive(Debug, Clone, Default)]
-pub(crate) struct QuantizedX {
-    pub(crate) qs: Lines,
-    pub(crate) d: Vec<f32>,
-    pub(crate) dsum: Vec<f32>,
-    /// Per 4 values, `-32` times the sum of their bytes: Q6_K's offset term, where its
-    /// integer sums start (its scales change every 16 values, finer than `dsum`); Q3_K's
-    /// (shifted right by 3) and Q2_K's mins the same way.
-    pub(crate) offsets: Vec<i32>,
-}
-
-impl QuantizedX {
-    /// `x` (a whole number of 32-value blocks) quantized: per block `d = max|x| / 127`,
-    /// `q = round(x / d)` (to nearest, ties to even), `d = 0` and `q = 0` for a block of
-    /// zeros. `None` when `x` is no whole number of blocks.
-    pub(crate) fn new(x: &[f32]) -> Option<Self> {
-        if x.len() % 32 != 0 {
-            return None;
-        }
-        let n = x.len() / 32;
-        let mut out = Self {
-            qs: Lines::zeroed(x.len()),
-            d: vec![0.0; n],
-            dsum: vec![0.0; n],
-            offsets: Vec::new(),
-        };
-        for (i, (xb, qb)) in x
-            .chunks_exact(32)
-            .zip(out.qs.chunks_exact_mut(32))
-            .enumerate()
-        {
-            let (d, sum) = quantize_block(xb, qb);
-            out.d[i] = d;
-            out.dsum[i] = d * sum as f32;
-        }
-        out.offsets = out
-            .qs
-            .chunks_exact(4)
-            .map(|q| -32 * q.iter().map(|&v| i32::from(v)).sum::<i32>())
-            .collect();
-        Some(out)
-    }
-
-    /// The values the blocks stand for (`qs * d`), for checks.
-    #[cfg(test)]
-    pub(crate) fn values(&self) -> Vec<f32> {
-        self.qs
-            .iter()
-            .enumerate()
-            .map(|(k, &q)| f32::from(q) * self.d[k / 32])
-            .collect()
-    }
-}
-
-/// A block of 32 values quantized: `d = max|x| / 127` (NaNs passed over), `q = round(x / d)`
-/// (to nearest, ties to even; `0` where `d = 0`) into `q`; returns `(d, sum q)`. With AVX2
-/// eight lanes at a time, the same values (`vcvtps2dq` rounds as the scalar loop does).
-pub(crate) fn quantize_block(x: &[f32], q: &mut [i8]) -> (f32, i32) {
-    #[cfg(target_arch = "x86_64")]
-    if x.len() == 32
-        && q.len() == 32
-        && crate::kernels::decode::quant_gemv_avx2::supports(QuantType::Q8_0)
-    {
-        // SAFETY: AVX2 checked above; 32 values and 32 bytes.
-        return unsafe { quantize_block_avx2(x.as_ptr(), q.as_mut_ptr()) };
-    }
-    let amax = x.iter().fold(0f32, |a, v| a.max(v.abs()));
-    let (d, id) = scales(amax);
-    let mut sum = 0;
-    for (q, v) in q.iter_mut().zip(x) {
-        let r = (v * id).round_ties_even().clamp(-127.0, 127.0) as i8;
-        sum += i32::from(r);
-        *q = r;
-    }
-    (d, sum)
-}
-
-/// `(d, 1 / d)` for a block whose largest magnitude is `amax` (`1 / d = 0` for `d = 0`).
-fn scales(amax: f32) -> (f32, f32) {
-    let d = amax / 127.0;
-    (d, if d > 0.0 { 1.0 / d } else { 0.0 })
-}
-
-/// [`quantize_block`] on AVX2.
-///
-/// # Safety
-/// AVX2; 32 values at `x`, 32 bytes at `q`.
-#[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx2")]
-unsafe fn quantize_block_avx2(x: *const f32, q: *mut i8) -> (f32, i32) {
-    let v = [0, 1, 2, 3].map(|k| _mm256_loadu_ps(x.add(8 * k)));
-    // `vmaxps` returns its second operand when the first is a NaN: NaNs passed over.
-    let sign = _mm256_set1_ps(-0.0);
-    let m = v.iter().fold(_mm256_setzero_ps(), |m, &v| {
-        _mm256_max_ps(_mm256_andnot_ps(sign, v), m)
-    });
-    let m = _mm_max_ps(_mm256_castps256_ps128(m), _mm256_extractf128_ps(m, 1));
-    let m = _mm_max_ps(m, _mm_movehl_ps(m, m));
-    let amax = _mm_cvtss_f32(_mm_max_ss(m, _mm_movehdup_ps(m)));
-    let (d, id) = scales(amax);
-    let ids = _mm256_set1_ps(id);
-    let (lo, hi) = (_mm256_set1_epi32(-127), _mm256_set1_epi32(127));
-    // `vcvtps2dq` rounds by the MXCSR mode: to nearest, ties to even.
-    let int = |k: usize| {
-        let r = _mm256_cvtps_epi32(_mm256_mul_ps(v[k], ids));
-        _mm256_min_epi32(_mm256_max_epi32(r, lo), hi)
-    };
-    let [q0, q1, q2, q3] = [0, 1, 2, 3].map(int);
-    // The packs work within 128-bit halves: bytes come out as groups of 4 from q0..q3,
-    // first halves then second; the permute puts them back in order.
-    let bytes = _mm256_packs_epi16(_mm256_packs_epi32(q0, q1), _mm256_packs_epi32(q2, q3));
-    let bytes = _mm256_permutevar8x32_epi32(bytes, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
-    _mm256_storeu_si256(q as *mut __m256i, bytes);
-    let s = _mm256_add_epi32(_mm256_add_epi32(q0, q1), _mm256_add_epi32(q2, q3));
-    let s = _mm_add_epi32(_mm256_castsi256_si128(s), _mm256_extracti128_si256(s, 1));
-    let s = _mm_add_epi32(s, _mm_shuffle_epi32::<0b01_00_11_10>(s));
-    (
-        d,
-        _mm_cvtsi128_si32(_mm_add_epi32(s, _mm_shuffle_epi32::<0b10_11_00_01>(s))),
-    )
-}
+#[cfg(any(target_arch = "x86_64", test))]
+use crate::kernels::quant::row_kinds::ROW_KERNEL_TYPES;
+use crate::kernels::quant::row_kinds::{FIVE_BITS, FOUR_BITS, THREE_BITS, TWO_BITS};
 
 /// Whether this CPU runs these kernels for `ty`: AVX-512 F, BW, VL and VNNI (the
 /// instruction set not capped below AVX-512), for the types of
-/// [`crate::kernels::decode::quant_gemv::ROW_KERNEL_TYPES`] (the 32-value types and the
+/// [`crate::kernels::quant::row_kinds::ROW_KERNEL_TYPES`] (the 32-value types and the
 /// K-quants).
 pub(crate) fn supports(ty: QuantType) -> bool {
-    #[cfg(target_arch = "x86_64")]
-    {
-        use crate::kernels::simd::{isa, Isa};
-        use std::sync::OnceLock;
-        static VNNI: OnceLock<bool> = OnceLock::new();
-        let cpu = *VNNI.get_or_init(|| {
-            is_x86_feature_detected!("avx512f")
-                && is_x86_feature_detected!("avx512bw")
-                && is_x86_feature_detected!("avx512vl")
-                && is_x86_feature_detected!("avx512vnni")
-                && is_x86_feature_detected!("f16c")
-                && is_x86_feature_detected!("fma")
-        });
-        cpu && matches!(isa(), Isa::Avx512) && ROW_KERNEL_TYPES.contains(&ty)
-    }
-    #[cfg(not(target_arch = "x86_64"))]
-    {
-        let _ = ty;
-        false
-    }
+    crate::kernels::simd::avx512_vnni() && ROW_KERNEL_TYPES.contains(&ty)
 }
 
 /// `sum_k W[k] x[k]` for one row of `ty` blocks against `x` quantized; `None` when this CPU
@@ -188,30 +41,6 @@ pub(crate) fn supports(ty: QuantType) -> bool {
 pub(crate) fn row_dot(ty: QuantType, row: &[u8], x: &QuantizedX) -> Option<f32> {
     let mut out = [0f32];
     rows_dots::<1>(ty, row, std::slice::from_ref(x), &mut out, 1).then_some(out[0])
-}
-
-/// A row's bytes when `rows` (whole rows of `ty`), the `r` quantized rows `xs` (one
-/// length, whole blocks) and `out` (row stride `ldo`, `r` values a weight row) fit together
-/// for an 8-bit `rows_dots`; `None` otherwise.
-pub(crate) fn rows_dots_shape(
-    ty: QuantType,
-    rows: &[u8],
-    xs: &[QuantizedX],
-    r: usize,
-    out: &[f32],
-    ldo: usize,
-) -> Option<usize> {
-    let inp = xs.first()?.qs.len();
-    let row_bytes = ty.bytes_of(inp).filter(|&rb| rb > 0)?;
-    let n = rows.len() / row_bytes;
-    let fits = xs.len() == r
-        && xs
-            .iter()
-            .all(|x| x.qs.len() == inp && x.d.len() * 32 == inp && x.offsets.len() * 4 == inp)
-        && rows.len() == n * row_bytes
-        && ldo >= r
-        && (n == 0 || out.len() >= (n - 1) * ldo + r);
-    fits.then_some(row_bytes)
 }
 
 /// `out[ldo j + r] = sum_k W[j, k] x_r[k]` for each whole row `j` of `rows` and each of the
@@ -234,8 +63,7 @@ pub(crate) fn rows_dots<const R: usize>(
         // SAFETY: the features checked by `supports`; `rows` holds whole rows of `inp / 32`
         // blocks (`inp / 256` for the K-quants), each of `xs` `inp` values with their
         // scales, sums and offsets (checked by `rows_dots_shape`), `out` room for them.
-        unsafe { rows_dots_vnni::<R>(ty, rows, row_bytes, xs, out, ldo) };
-        true
+        unsafe { rows_dots_vnni::<R>(ty, rows, row_bytes, xs, out, ldo) }
     }
     #[cfg(not(target_arch = "x86_64"))]
     {
@@ -258,10 +86,10 @@ unsafe fn rows_dots_vnni<const R: usize>(
     xs: &[QuantizedX],
     out: &mut [f32],
     ldo: usize,
-) {
+) -> bool {
     use crate::kernels::decode::prefetch::{rows_ahead, vnni_ahead};
-    use crate::kernels::decode::quant_gemv::kind::{Q4_0, Q4_1, Q5_0, Q5_1, Q8_0};
-    use crate::kernels::decode::quant_gemv_avx512::RowSums;
+    use crate::kernels::decode::x86_helpers::RowSums;
+    use crate::kernels::quant::row_kinds::kind::{Q4_0, Q4_1, Q5_0, Q5_1, Q8_0};
     // The rows' lanes summed 16 rows at a time, as the exact kernels sum theirs; each row's
     // lines requested `ahead` bytes ahead where that helps (see `prefetch.rs`).
     let (ahead, end) = (vnni_ahead(), rows.as_ptr_range().end);
@@ -287,14 +115,17 @@ unsafe fn rows_dots_vnni<const R: usize>(
         QuantType::Q6K => each_row!(dot_q6_k),
         QuantType::Q2K => each_row!(dot_q2_q3_k::<TWO_BITS>),
         QuantType::Q3K => each_row!(dot_q2_q3_k::<THREE_BITS>),
-        _ => each_row!(dot_pairs::<Q5_1>),
+        QuantType::Q5_1 => each_row!(dot_pairs::<Q5_1>),
+        // `supports` filtered the types: another has no kernel here.
+        _ => return false,
     }
+    true
 }
 
 /// One row of `K` blocks at `b0` against `x`, two blocks to an instruction: per pair one
 /// 512-bit `vpdpbusd`, its 16 lanes scaled by each block's `d dx` (a vector of the two,
 /// spread to the lanes each block's sums are in), the offset or `m` terms summed apart; a
-/// last odd block in 256 bits (`quant_gemv_int8_avx2::block`).
+/// last odd block in 256 bits (`crate::kernels::decode::x86_helpers::block`).
 ///
 /// For each of the `R` rows of `xs`, the block pair unpacked once for all of them, each
 /// row's own accumulators in the same order as alone.
@@ -306,7 +137,7 @@ unsafe fn rows_dots_vnni<const R: usize>(
 #[inline]
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,f16c,fma,avx2")]
 unsafe fn dot_pairs<const K: u8, const R: usize>(b0: *const u8, xs: &[QuantizedX]) -> [__m512; R] {
-    use crate::kernels::decode::quant_gemv::kind::{self, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0};
+    use crate::kernels::quant::row_kinds::kind::{self, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0};
     let size = kind::quant_type(K).block_bytes();
     let n = xs[0].d.len();
     // Lanes of the sums: the pair's blocks in order, 8 lanes each.
@@ -358,7 +189,9 @@ unsafe fn dot_pairs<const K: u8, const R: usize>(b0: *const u8, xs: &[QuantizedX
     let mut p = 0;
     while 2 * p + 8 <= n {
         let blk = |k: usize| b0.add((2 * p + k) * size);
-        let eight = |at: usize| quant_gemv_int8_avx2::halves8(b0.add(2 * p * size + at), size);
+        let eight = |at: usize| {
+            crate::kernels::decode::x86_helpers::halves8(b0.add(2 * p * size + at), size)
+        };
         let d8 = eight(0);
         let factor8 = match K {
             Q4_0 => _mm256_mul_ps(d8, _mm256_set1_ps(-8.0)),
@@ -424,17 +257,19 @@ unsafe fn dot_pairs<const K: u8, const R: usize>(b0: *const u8, xs: &[QuantizedX
         if n % 2 == 1 {
             // The last block alone, as the AVX2 kernel takes it (the same integer sum).
             let (mut v, mut t) = (_mm256_setzero_ps(), 0f32);
-            quant_gemv_int8_avx2::block::<K>(b0.add((n - 1) * size), &xs[r], n - 1, &mut v, &mut t);
+            crate::kernels::decode::x86_helpers::block::<K>(
+                b0.add((n - 1) * size),
+                &xs[r],
+                n - 1,
+                &mut v,
+                &mut t,
+            );
             let last = _mm256_add_ps(v, _mm256_zextps128_ps256(_mm_set_ss(t)));
             *o = _mm512_add_ps(*o, _mm512_zextps256_ps512(last));
         }
     }
     out
 }
-
-/// [`dot_q4_k`]'s `Q5` for Q4_K and Q5_K rows.
-pub(crate) const FOUR_BITS: bool = false;
-pub(crate) const FIVE_BITS: bool = true;
 
 /// One Q4_K row against `x`: per block of 256 values, `{ f16 d; f16 dmin; u8 scales[12];
 /// u8 qs[128] }`, group `g` (32 values, `x`'s block `g`) is `d sc_g q - dmin m_g` over the
@@ -453,7 +288,7 @@ unsafe fn dot_q4_k<const Q5: bool, const R: usize>(
     b0: *const u8,
     xs: &[QuantizedX],
 ) -> [__m512; R] {
-    use crate::kernels::decode::quant_gemv_avx2::halves_at;
+    use crate::kernels::decode::x86_helpers::halves_at;
     use crate::kernels::quant::blocks::scales_mins_k4;
     let n = xs[0].d.len() / 8;
     let (mut acc, mut terms) = ([_mm512_setzero_ps(); R], [_mm256_setzero_ps(); R]);
@@ -560,10 +395,6 @@ unsafe fn group_quads() -> [__m512i; 4] {
     })
 }
 
-/// [`dot_q2_q3_k`]'s `Q3` for Q2_K and Q3_K rows.
-pub(crate) const TWO_BITS: bool = false;
-pub(crate) const THREE_BITS: bool = true;
-
 /// One Q2_K row (`{ u8 scales[16]; u8 qs[64]; f16 d; f16 dmin }` per 256 values) or, with
 /// `Q3`, Q3_K row (`{ u8 hmask[32]; u8 qs[64]; u8 scales[12]; f16 d }`) against `x`: value
 /// `128 h + 32 j + l` holds the two bits `qs[32 h + l] >> 2 j` (Q3_K: and bit `4 h + j` of
@@ -582,7 +413,7 @@ unsafe fn dot_q2_q3_k<const Q3: bool, const R: usize>(
     b0: *const u8,
     xs: &[QuantizedX],
 ) -> [__m512; R] {
-    use crate::kernels::decode::quant_gemv_avx2::{half_before, halves_at, q3_k_scales};
+    use crate::kernels::decode::x86_helpers::{half_before, halves_at, q3_k_scales};
     let n = xs[0].d.len() / 8;
     let mut acc = [_mm512_setzero_ps(); R];
     let (size, qs_at) = if Q3 { (110, 32) } else { (84, 16) };
@@ -681,7 +512,7 @@ unsafe fn dot_q2_q3_k<const Q3: bool, const R: usize>(
 #[inline]
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,f16c,fma,avx2")]
 unsafe fn dot_q6_k<const R: usize>(b0: *const u8, xs: &[QuantizedX]) -> [__m512; R] {
-    use crate::kernels::decode::quant_gemv_avx2::half_before;
+    use crate::kernels::decode::x86_helpers::half_before;
     let n = xs[0].d.len() / 8;
     let mut acc = [_mm512_setzero_ps(); R];
     let (fours, twos) = (_mm512_set1_epi8(0x0F), _mm256_set1_epi8(0x03));
@@ -731,13 +562,6 @@ unsafe fn dot_q6_k<const R: usize>(b0: *const u8, xs: &[QuantizedX]) -> [__m512;
     acc
 }
 
-/// The little-endian u32 at `p`.
-#[cfg(target_arch = "x86_64")]
-#[inline(always)]
-pub(crate) unsafe fn read_u32(p: *const u8) -> u32 {
-    u32::from_le_bytes([*p, *p.add(1), *p.add(2), *p.add(3)])
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -753,61 +577,6 @@ mod tests {
         } else {
             [(ty, 576), (ty, 608)]
         }
-    }
-
-    #[test]
-    fn x_quantizes_within_half_a_step() {
-        let mut x = crate::kernels::test_values(96, 5);
-        x[32..64].fill(0.0);
-        let q = QuantizedX::new(&x).expect("whole blocks");
-        assert_eq!(q.d[1], 0.0);
-        for (k, (a, b)) in q.values().iter().zip(&x).enumerate() {
-            assert!((a - b).abs() <= q.d[k / 32] * 0.5 + 1e-7, "{k}: {a} vs {b}");
-        }
-        let sums: Vec<f32> =
-            q.qs.chunks(32)
-                .zip(&q.d)
-                .map(|(b, d)| d * b.iter().map(|&v| f32::from(v)).sum::<f32>())
-                .collect();
-        assert_eq!(sums, q.dsum);
-        assert!(QuantizedX::new(&x[..40]).is_none());
-    }
-
-    /// The block quantizer on this CPU (AVX2 where it has it) gives the scalar loop's bytes,
-    /// scale and sum: random blocks, ties (`d = 1`: `2.5` to 2, `-3.5` to -4), zeros, and a
-    /// NaN, which the largest magnitude passes over.
-    #[test]
-    fn blocks_quantize_as_the_scalar_loop_does() {
-        let mut blocks: Vec<Vec<f32>> = (0..8)
-            .map(|s| crate::kernels::test_values(32, 40 + s))
-            .collect();
-        let mut ties: Vec<f32> = (0..32).map(|i| i as f32 - 15.5).collect();
-        ties[0] = 127.0;
-        ties[1] = 2.5;
-        ties[2] = -3.5;
-        blocks.push(ties);
-        blocks.push(vec![0.0; 32]);
-        let mut nan = crate::kernels::test_values(32, 77);
-        nan[5] = f32::NAN;
-        blocks.push(nan);
-        for x in &blocks {
-            let mut got = [0i8; 32];
-            let (d, sum) = quantize_block(x, &mut got);
-            let amax = x.iter().fold(0f32, |a, v| a.max(v.abs()));
-            let (want_d, id) = scales(amax);
-            let want: Vec<i8> = x
-                .iter()
-                .map(|v| (v * id).round_ties_even().clamp(-127.0, 127.0) as i8)
-                .collect();
-            assert_eq!(d.to_bits(), want_d.to_bits());
-            if x.iter().all(|v| !v.is_nan()) {
-                assert_eq!(got.to_vec(), want, "{x:?}");
-                assert_eq!(sum, want.iter().map(|&q| i32::from(q)).sum::<i32>());
-            }
-        }
-        let mut q = [0i8; 32];
-        quantize_block(&blocks[8], &mut q);
-        assert_eq!(&q[..3], &[127, 2, -4]);
     }
 
     /// Each kernel's (AVX-512 VNNI, AVX2) dot product for each type, rows of 18 and 19

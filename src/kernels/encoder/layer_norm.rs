@@ -26,7 +26,7 @@ pub(crate) fn add_layer_norm_in_place(
     eps: f32,
 ) -> Result<()> {
     let d = gamma.len();
-    if d == 0 || beta.len() != d || a.len() != b.len() || a.len() % d != 0 {
+    if d == 0 || beta.len() != d || a.len() != b.len() || !a.len().is_multiple_of(d) {
         return Err(Error::Kernel(format!(
             "residual LayerNorm of {} + {} values with {} weights and {} biases",
             a.len(),

@@ -4,10 +4,6 @@
 //! fault in. Each task takes a run of outputs; a tile is 4 weight rows x 4 input rows, 16
 //! FMA chains along `in`, each weight vector widened once for 4 inputs. AVX-512F only:
 //! elsewhere callers pack the weight ([`crate::kernels::gemm::packed`]).
-
-// The AVX-512 intrinsics are stable since Rust 1.89, above the `rust-version` the manifest
-// declares; candle-core 0.11 itself needs 1.89 on x86-64 (as in `microkernel.rs`).
-#![allow(clippy::incompatible_msrv)]
 // Elsewhere `available()` is false and the tasks are never run.
 #![cfg_attr(not(target_arch = "x86_64"), allow(dead_code))]
 
@@ -20,20 +16,22 @@ use half::{bf16, f16};
 use rayon::prelude::*;
 
 use crate::error::{Error, Result};
-use crate::kernels::decode::gemv_avx512;
-#[cfg(target_arch = "x86_64")]
-use crate::kernels::decode::gemv_avx512::Load16;
 use crate::kernels::gemm::matrix::{HalfRows, MatRef, SharedOut};
+#[cfg(target_arch = "x86_64")]
+use crate::kernels::widen::Load16;
 
 /// Most input rows this path takes; longer inputs are multiplied on packed panels, whose
-/// micro-kernels are faster per row once the packing is paid (see docs/performance.md).
+/// micro-kernels are faster per row once the packing is paid (see docs/performance-archive.md).
 pub(crate) const MOST_ROWS: usize = 32;
 /// Outputs per task (a multiple of the tile's 4).
 const TASK_OUTS: usize = 32;
 
 /// Whether this CPU runs the kernel (AVX-512F).
 pub(crate) fn available() -> bool {
-    gemv_avx512::available()
+    #[cfg(target_arch = "x86_64")]
+    return crate::kernels::simd::isa() == crate::kernels::simd::Isa::Avx512;
+    #[cfg(not(target_arch = "x86_64"))]
+    false
 }
 
 /// One task: rows `rows` of part `part`, written to output columns from `col`.

@@ -13,8 +13,6 @@
 //! The weights are packed per call, like the f32 prompt products' panels, into panels of
 //! 48 output columns: per group, the integers as `(group / 4, 48, 4)` bytes (a register
 //! holds 4 consecutive values of 16 columns), then the 48 scales and the 48 offsets.
-
-#![allow(clippy::incompatible_msrv)]
 #![cfg_attr(not(target_arch = "x86_64"), allow(dead_code))]
 
 #[cfg(target_arch = "x86_64")]
@@ -23,8 +21,7 @@ use std::arch::x86_64::*;
 use rayon::prelude::*;
 
 use crate::error::{Error, Result};
-use crate::kernels::decode::quant_gemv_vnni;
-use crate::kernels::gemm::aligned::{AlignedFloats, UninitFloats};
+use crate::kernels::aligned::{AlignedFloats, UninitFloats};
 #[cfg(target_arch = "x86_64")]
 use crate::kernels::gemm::packed::OutPtr;
 use crate::kernels::quant::blocks::QuantType;
@@ -41,7 +38,7 @@ const MB: usize = 128;
 
 /// Whether this CPU runs these products: AVX-512 with VNNI, the instruction set not capped.
 pub(crate) fn available() -> bool {
-    quant_gemv_vnni::supports(QuantType::Q8_0)
+    crate::kernels::simd::avx512_vnni()
 }
 
 /// One weight of a stack: its type, its bytes (`rows` rows of `cols` values) and `rows`.
@@ -72,7 +69,7 @@ impl QuantizedRows {
             .zip(xs.par_chunks(cols))
             .for_each(|(((q, dx), sx), x)| {
                 for (b, (xb, qb)) in x.chunks_exact(32).zip(q.chunks_exact_mut(32)).enumerate() {
-                    let (d, _) = quant_gemv_vnni::quantize_block(xb, qb);
+                    let (d, _) = crate::kernels::quant::activations::quantize_block(xb, qb);
                     let per = 32 / group;
                     for h in 0..per {
                         let part = &qb[h * group..(h + 1) * group];
@@ -191,7 +188,7 @@ pub(crate) fn product(
     xs: &[f32],
     rows: usize,
 ) -> Result<Option<Vec<f32>>> {
-    if !available() || cols == 0 || cols % 32 != 0 || rows == 0 {
+    if !available() || cols == 0 || !cols.is_multiple_of(32) || rows == 0 {
         return Ok(None);
     }
     if xs.len() != rows * cols {
@@ -226,7 +223,7 @@ fn multiply(
     rows: usize,
     group: usize,
 ) -> Option<Vec<f32>> {
-    if !available() || xs.len() != rows * cols || cols % group != 0 {
+    if !available() || xs.len() != rows * cols || !cols.is_multiple_of(group) {
         return None;
     }
     let (data, panels) = pack(parts, cols, group)?;

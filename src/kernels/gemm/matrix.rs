@@ -8,7 +8,7 @@
 use std::marker::PhantomData;
 
 use crate::error::{Error, Result};
-use crate::kernels::decode::widen::widen_half_bytes;
+use crate::kernels::widen::widen_half_bytes;
 
 /// Largest offset `(rows - 1) * rs + (cols - 1) * cs` a view addresses, `None` when empty.
 fn last_offset(rows: usize, cols: usize, rs: usize, cs: usize) -> Option<usize> {
@@ -312,7 +312,7 @@ pub(crate) fn matmul(
     }
     // One part per thread along the longer side of `dst`, each a single-threaded product:
     // 395-410 GFLOP/s on the projections of a (1, 512, 768) training step where the `gemm`
-    // crate's own threads reach 364-389 (2 threads, docs/performance.md).
+    // crate's own threads reach 364-389 (2 threads, docs/performance-archive.md).
     let (rows, align) = if m >= n { (true, 8) } else { (false, 16) };
     let len = if rows { m } else { n };
     let part = len.div_ceil(n_threads).div_ceil(align) * align;

@@ -9,11 +9,6 @@
 //! a panel stays in L2 while the row groups go by, and each block loads and stores the
 //! accumulators once.
 
-// The AVX-512 intrinsics are stable since Rust 1.89, above the `rust-version` the manifest
-// declares; candle-core 0.11 itself needs 1.89 on x86-64 (it uses them too), so the
-// declared version cannot build this crate anyway.
-#![allow(clippy::incompatible_msrv)]
-
 #[cfg(target_arch = "x86_64")]
 use std::arch::x86_64::*;
 
@@ -29,7 +24,7 @@ use crate::kernels::gemm::microkernel_avx2;
 ///
 /// With that prefetch, on the Intel Xeon (AVX-512, 48 KiB L1d, 2 MiB L2) the encoder's
 /// products ran 2-4% faster at 512 than at 256 (384 in between, 768 alike); see
-/// docs/performance.md. Before it, on AMD Zen 4, 256 had measured 1-5% faster than 128 and
+/// docs/performance-archive.md. Before it, on AMD Zen 4, 256 had measured 1-5% faster than 128 and
 /// 384 (MHA seq 32-512, SDPA seq 4096; not re-measured there with the prefetch).
 #[cfg(target_arch = "x86_64")]
 const KC: usize = 512;

@@ -83,7 +83,7 @@ pub(crate) unsafe fn panel_product<const W: usize>(
 /// then `4 x 24`; 2 (16 columns) otherwise, full tile `6 x 16`. Both hold 12 accumulators.
 #[cfg(target_arch = "x86_64")]
 const fn strip_regs(w: usize) -> usize {
-    if w % 24 == 0 {
+    if w.is_multiple_of(24) {
         3
     } else {
         2

@@ -22,7 +22,7 @@ use rayon::prelude::*;
 
 use crate::error::{Error, Result};
 use crate::kernels::activation::gelu_erf_in_place;
-use crate::kernels::gemm::aligned::{AlignedFloats, UninitFloats};
+use crate::kernels::aligned::{AlignedFloats, UninitFloats};
 use crate::kernels::gemm::half_rows_product;
 use crate::kernels::gemm::matrix::{HalfRows, HalfSource, MatRef};
 use crate::kernels::gemm::microkernel::{self, panel_product, Start};
@@ -31,12 +31,12 @@ use crate::kernels::scratch::with_scratch;
 
 /// Output columns per panel (3 AVX-512 registers, or two 4 x 24 AVX2 tiles).
 const PANEL: usize = 48;
-const _: () = assert!(PANEL % transpose::COLUMNS == 0);
+const _: () = assert!(PANEL.is_multiple_of(transpose::COLUMNS));
 
 /// Bytes per memory page (the smallest, x86-64's and most others').
 const PAGE: usize = 4096;
 /// Rows per task: a block of activations stays in L2 while the panels stream by (128
-/// measured faster than 256 and 64, see docs/performance.md).
+/// measured faster than 256 and 64, see docs/performance-archive.md).
 const MB: usize = 128;
 
 /// One panel: columns `col..col + width` of the weight.

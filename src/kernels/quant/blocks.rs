@@ -169,7 +169,7 @@ impl QuantType {
     /// Bytes of `values` values (a whole number of blocks), `None` when `values` is not a
     /// multiple of the block or the size overflows.
     pub fn bytes_of(self, values: usize) -> Option<usize> {
-        if values % self.block_values() != 0 {
+        if !values.is_multiple_of(self.block_values()) {
             return None;
         }
         (values / self.block_values()).checked_mul(self.block_bytes())

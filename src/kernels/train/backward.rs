@@ -1100,7 +1100,7 @@ mod tests {
         assert_eq!(cuts.len(), 3);
         assert_eq!((cuts[0], cuts[2]), (0, 1000));
         assert!(
-            cuts[1] > 10 && cuts[1] < 455 && (cuts[1] - 10) % 100 == 0,
+            cuts[1] > 10 && cuts[1] < 455 && (cuts[1] - 10).is_multiple_of(100),
             "{cuts:?}"
         );
         // More chunks than blocks: the extra ones are empty.

@@ -2,11 +2,70 @@
 //! one thread): the decoder computes in f32 on the CPU whatever its weights' dtype, and
 //! widens a half-precision weight once per product of many rows (a prompt's prefill).
 
+#[cfg(target_arch = "x86_64")]
+use std::arch::x86_64::*;
+
 use candle_core::{CpuStorage, DType, Storage, Tensor};
 use half::slice::HalfFloatSliceExt;
+use half::{bf16, f16};
 use rayon::prelude::*;
 
 use crate::error::Result;
+
+/// A weight element these kernels read sixteen at a time as f32 lanes.
+pub(crate) trait Load16: Copy + Send + Sync {
+    /// The value as f32.
+    fn to_f32(self) -> f32;
+
+    /// Sixteen values from `p` widened to f32.
+    ///
+    /// # Safety
+    /// AVX-512F; `p` points at sixteen readable values.
+    #[cfg(target_arch = "x86_64")]
+    unsafe fn load16(p: *const Self) -> __m512;
+}
+
+impl Load16 for f32 {
+    #[inline(always)]
+    fn to_f32(self) -> f32 {
+        self
+    }
+
+    #[cfg(target_arch = "x86_64")]
+    #[inline(always)]
+    unsafe fn load16(p: *const Self) -> __m512 {
+        _mm512_loadu_ps(p)
+    }
+}
+
+impl Load16 for bf16 {
+    #[inline(always)]
+    fn to_f32(self) -> f32 {
+        f32::from_bits(u32::from(self.to_bits()) << 16)
+    }
+
+    /// bf16 is the top half of an f32: zero-extend to 32 bits and shift.
+    #[cfg(target_arch = "x86_64")]
+    #[inline(always)]
+    unsafe fn load16(p: *const Self) -> __m512 {
+        let h = _mm256_loadu_si256(p as *const __m256i);
+        _mm512_castsi512_ps(_mm512_slli_epi32::<16>(_mm512_cvtepu16_epi32(h)))
+    }
+}
+
+impl Load16 for f16 {
+    #[inline(always)]
+    fn to_f32(self) -> f32 {
+        f16::to_f32(self)
+    }
+
+    /// The hardware conversion (`vcvtph2ps`).
+    #[cfg(target_arch = "x86_64")]
+    #[inline(always)]
+    unsafe fn load16(p: *const Self) -> __m512 {
+        _mm512_cvtph_ps(_mm256_loadu_si256(p as *const __m256i))
+    }
+}
 
 /// Values per task.
 const CHUNK: usize = 1 << 16;
