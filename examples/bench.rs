@@ -812,12 +812,12 @@ fn reset_peak_rss() {
 fn fma_peak() -> anyhow::Result<(f64, &'static str)> {
     #[cfg(target_arch = "x86_64")]
     {
-        // SAFETY (both closures): each is chosen only after the run-time check of the
-        // features its loop is compiled for.
         let (isa, lanes, run): (&str, usize, fn(u64) -> f32) =
             if is_x86_feature_detected!("avx512f") {
+                // SAFETY: chosen after the run-time check of AVX-512F just above.
                 ("avx512f", 16, |n| unsafe { fma_loop_avx512(n) })
             } else if is_x86_feature_detected!("avx2") && is_x86_feature_detected!("fma") {
+                // SAFETY: chosen after the run-time check of AVX2 and FMA just above.
                 ("avx2+fma", 8, |n| unsafe { fma_loop_avx2(n) })
             } else {
                 bail!("--fma-peak needs AVX-512F or AVX2 + FMA");
@@ -870,11 +870,12 @@ fn read_bandwidth() -> (f64, &'static str) {
 fn sum_kernel() -> (&'static str, fn(&[f32]) -> f32) {
     #[cfg(target_arch = "x86_64")]
     {
-        // SAFETY (both): each loop is chosen only after the run-time check of its features.
         if is_x86_feature_detected!("avx512f") {
+            // SAFETY: chosen after the run-time check of AVX-512F just above.
             return ("avx512f", |p| unsafe { sum_avx512(p) });
         }
         if is_x86_feature_detected!("avx2") {
+            // SAFETY: chosen after the run-time check of AVX2 just above.
             return ("avx2", |p| unsafe { sum_avx2(p) });
         }
     }

@@ -122,12 +122,16 @@ pub(crate) fn gelu_erf_in_place(x: &mut [f32]) {
     }
 }
 
+/// # Safety
+/// The CPU has AVX-512F (this function's target features).
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx512f")]
 unsafe fn gelu_avx512(x: &mut [f32]) {
     x.iter_mut().for_each(|v| *v = gelu_erf(*v));
 }
 
+/// # Safety
+/// The CPU has AVX2 and FMA (this function's target features).
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx2,fma")]
 unsafe fn gelu_avx2(x: &mut [f32]) {
@@ -238,24 +242,32 @@ fn silu_into_lanes(g: &[f32], u: &[f32], y: &mut [MaybeUninit<f32>]) {
     }
 }
 
+/// # Safety
+/// The CPU has AVX-512F (this function's target features).
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx512f")]
 unsafe fn silu_in_place_avx512(g: &mut [f32], u: &[f32]) {
     silu_in_place_lanes(g, u);
 }
 
+/// # Safety
+/// The CPU has AVX2 and FMA (this function's target features).
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx2,fma")]
 unsafe fn silu_in_place_avx2(g: &mut [f32], u: &[f32]) {
     silu_in_place_lanes(g, u);
 }
 
+/// # Safety
+/// The CPU has AVX-512F (this function's target features).
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx512f")]
 unsafe fn silu_into_avx512(g: &[f32], u: &[f32], y: &mut [MaybeUninit<f32>]) {
     silu_into_lanes(g, u, y);
 }
 
+/// # Safety
+/// The CPU has AVX2 and FMA (this function's target features).
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx2,fma")]
 unsafe fn silu_into_avx2(g: &[f32], u: &[f32], y: &mut [MaybeUninit<f32>]) {

@@ -61,8 +61,9 @@ fn normalize_group(x: &[f32], w: &[f32], eps: f32, out: &mut [MaybeUninit<f32>])
     {
         use crate::kernels::simd::{isa, Isa};
         match isa() {
-            // SAFETY: `isa` reports the CPU's features.
+            // SAFETY: `isa` found AVX-512F on this CPU.
             Isa::Avx512 => return unsafe { group_avx512(x, w, eps, out) },
+            // SAFETY: `isa` found AVX2 (and FMA) on this CPU.
             Isa::Avx2 => return unsafe { group_avx2(x, w, eps, out) },
             Isa::Scalar => {}
         }
@@ -70,12 +71,16 @@ fn normalize_group(x: &[f32], w: &[f32], eps: f32, out: &mut [MaybeUninit<f32>])
     group(x, w, eps, out)
 }
 
+/// # Safety
+/// The CPU has AVX-512F (this function's target features).
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx512f")]
 unsafe fn group_avx512(x: &[f32], w: &[f32], eps: f32, out: &mut [MaybeUninit<f32>]) {
     group(x, w, eps, out)
 }
 
+/// # Safety
+/// The CPU has AVX2 (this function's target features).
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx2")]
 unsafe fn group_avx2(x: &[f32], w: &[f32], eps: f32, out: &mut [MaybeUninit<f32>]) {

@@ -183,10 +183,11 @@ pub(crate) fn exp2(x: f32) -> f32 {
 /// Largest element (`-inf` for an empty row).
 pub(crate) fn row_max(x: &[f32]) -> f32 {
     match isa() {
-        // SAFETY: the CPU has the features these functions are compiled for (checked above).
         #[cfg(target_arch = "x86_64")]
+        // SAFETY: `isa` found AVX-512F on this CPU.
         Isa::Avx512 => unsafe { row_max_avx512(x) },
         #[cfg(target_arch = "x86_64")]
+        // SAFETY: `isa` found AVX2 and FMA on this CPU.
         Isa::Avx2 => unsafe { row_max_avx2(x) },
         Isa::Scalar => x.iter().fold(f32::NEG_INFINITY, |a, &b| a.max(b)),
     }
@@ -297,11 +298,11 @@ fn supported_isas() -> Vec<Isa> {
 /// The CPU supports `isa`.
 unsafe fn exp2_shifted_sum_on(isa: Isa, x: &mut [f32], m: f32) -> f32 {
     match isa {
-        // SAFETY: the CPU has the features these functions are compiled for (the caller's
-        // contract).
         #[cfg(target_arch = "x86_64")]
+        // SAFETY: the CPU has AVX-512F (the caller's contract).
         Isa::Avx512 => unsafe { exp2_shifted_sum_avx512(x, m) },
         #[cfg(target_arch = "x86_64")]
+        // SAFETY: the CPU has AVX2 and FMA (the caller's contract).
         Isa::Avx2 => unsafe { exp2_shifted_sum_avx2(x, m) },
         Isa::Scalar => {
             let mut sum = 0.0;
@@ -392,6 +393,9 @@ pub(crate) fn add_scaled(x: &mut [f32], y: &[f32], a: f32) {
 
 /// `2^x`, 16 lanes: `2^n 2^r` with `n = round(x)`, `2^n` applied by
 /// [`scalef`](_mm512_scalef_ps); lanes below -125 (and `-inf`) are 0, NaN lanes stay NaN.
+///
+/// # Safety
+/// The CPU has AVX-512F (this function's target features).
 #[cfg(target_arch = "x86_64")]
 #[inline]
 #[target_feature(enable = "avx512f")]
@@ -405,6 +409,8 @@ unsafe fn exp2_avx512(x: __m512) -> __m512 {
     _mm512_maskz_mov_ps(!flush, _mm512_scalef_ps(y, n))
 }
 
+/// # Safety
+/// The CPU has AVX-512F (this function's target features).
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx512f")]
 unsafe fn exp2_shifted_sum_avx512(x: &mut [f32], m: f32) -> f32 {
@@ -438,6 +444,8 @@ unsafe fn exp2_shifted_sum_avx512(x: &mut [f32], m: f32) -> f32 {
     _mm512_reduce_add_ps(_mm512_add_ps(acc0, acc1))
 }
 
+/// # Safety
+/// The CPU has AVX-512F (this function's target features).
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx512f")]
 unsafe fn row_max_avx512(x: &[f32]) -> f32 {
@@ -472,6 +480,9 @@ unsafe fn row_max_avx512(x: &[f32]) -> f32 {
 ///
 /// Five multiply-adds per vector (the two FMA pipes are what the attention products need
 /// too). Within 4 ulp of `f32::exp2` (test `vector_exp2_matches_std_flushes_and_keeps_nan`).
+///
+/// # Safety
+/// The CPU has AVX2 and FMA (this function's target features).
 #[cfg(target_arch = "x86_64")]
 #[inline]
 #[target_feature(enable = "avx2,fma")]
@@ -497,6 +508,9 @@ unsafe fn exp2_nonpositive_avx2(x: __m256) -> __m256 {
 }
 
 /// Lanes `0..n` set (all for `n >= 8`), for masked loads and stores.
+///
+/// # Safety
+/// The CPU has AVX2 (this function's target features).
 #[cfg(target_arch = "x86_64")]
 #[inline]
 #[target_feature(enable = "avx2")]
@@ -507,6 +521,8 @@ unsafe fn first_lanes(n: usize) -> __m256i {
     )
 }
 
+/// # Safety
+/// The CPU has AVX2 and FMA (this function's target features).
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx2,fma")]
 unsafe fn exp2_shifted_sum_avx2(x: &mut [f32], m: f32) -> f32 {
@@ -551,6 +567,9 @@ unsafe fn exp2_shifted_sum_avx2(x: &mut [f32], m: f32) -> f32 {
 ///
 /// Returns the power and `t`'s bits. No compare, mask or flush: lanes outside the range give
 /// unspecified values, so callers check `t` ([`exp2_window_sum_avx2`]).
+///
+/// # Safety
+/// The CPU has AVX2 and FMA (this function's target features).
 #[cfg(target_arch = "x86_64")]
 #[inline]
 #[target_feature(enable = "avx2,fma")]
@@ -629,6 +648,8 @@ unsafe fn exp2_window_sum_avx2<const SHIFT: bool>(x: &mut [f32], m: f32, top: i3
     (sum, outside == 0)
 }
 
+/// # Safety
+/// The CPU has AVX2 and FMA (this function's target features).
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx2,fma")]
 unsafe fn row_max_avx2(x: &[f32]) -> f32 {
@@ -770,9 +791,9 @@ mod tests {
             );
         };
         for isa in supported_isas() {
-            // SAFETY (every call below): the CPU supports every ISA `supported_isas` lists.
-            let run = |x: &mut [f32], m: f32, limit: f32| unsafe {
-                exp2_shifted_sum_bounded_on(isa, x, m, limit)
+            let run = |x: &mut [f32], m: f32, limit: f32| {
+                // SAFETY: the CPU supports every ISA `supported_isas` lists.
+                unsafe { exp2_shifted_sum_bounded_on(isa, x, m, limit) }
             };
             // Integer references (folded up to 2^20) and others.
             let refs = [

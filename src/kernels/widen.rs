@@ -31,6 +31,8 @@ impl Load16 for f32 {
         self
     }
 
+    /// # Safety
+    /// As [`Load16::load16`]: AVX-512F; `p` points at sixteen readable values.
     #[cfg(target_arch = "x86_64")]
     #[inline(always)]
     unsafe fn load16(p: *const Self) -> __m512 {
@@ -45,6 +47,9 @@ impl Load16 for bf16 {
     }
 
     /// bf16 is the top half of an f32: zero-extend to 32 bits and shift.
+    ///
+    /// # Safety
+    /// As [`Load16::load16`]: AVX-512F; `p` points at sixteen readable values.
     #[cfg(target_arch = "x86_64")]
     #[inline(always)]
     unsafe fn load16(p: *const Self) -> __m512 {
@@ -60,6 +65,9 @@ impl Load16 for f16 {
     }
 
     /// The hardware conversion (`vcvtph2ps`).
+    ///
+    /// # Safety
+    /// As [`Load16::load16`]: AVX-512F; `p` points at sixteen readable values.
     #[cfg(target_arch = "x86_64")]
     #[inline(always)]
     unsafe fn load16(p: *const Self) -> __m512 {

@@ -33,11 +33,9 @@ const _: () = assert!(KEY_PANEL.is_multiple_of(transpose::COLUMNS));
 /// On AVX2 `P V` runs `6 x 16` tiles on these panels, `Q K^T` `4 x 24` tiles on the K
 /// panels. Computing the transposed products instead (`S^T = K Q^T`, `O^T += V^T P^T`, so
 /// that `P^T` is a 48-column panel and both products take `4 x 24` tiles) would make the
-/// second product ~3% faster: 85.9-87.4 against 83.6-84.7 GFLOP/s single-thread for the same
-/// `256 x 240 x 64` accumulation, interleaved in one process (AMD Zen 3). As `P V` is ~42% of
-/// the tiled kernel's time, that is ~1.3% of the whole (plus part of the ~8% the one-pass
-/// powers take, which a column-wise softmax would do without horizontal sums): not worth
-/// turning every mask and the online softmax into column form.
+/// second product a few percent faster, about 1% of the whole kernel
+/// (docs/performance-archive.md): not worth turning every mask and the online softmax into
+/// column form.
 const V_PANEL: usize = 64;
 
 /// Keys per K panel of [`Products::PerTask`]: 32 keys are two 16-column strips of the AVX2

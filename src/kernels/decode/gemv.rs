@@ -169,6 +169,9 @@ pub(crate) fn dot_rows<T: Widen>(w: &[T], x: &[f32], ys: &mut [f32]) {
 }
 
 /// [`dot_rows_lanes`] compiled for AVX-512.
+///
+/// # Safety
+/// The CPU has AVX-512F (this function's target features).
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx512f")]
 unsafe fn dot_rows_avx512<T: Widen>(w: &[T], x: &[f32], ys: &mut [f32]) {
@@ -176,6 +179,9 @@ unsafe fn dot_rows_avx512<T: Widen>(w: &[T], x: &[f32], ys: &mut [f32]) {
 }
 
 /// [`dot_rows_lanes`] compiled for AVX2.
+///
+/// # Safety
+/// The CPU has AVX2 (this function's target features).
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx2")]
 unsafe fn dot_rows_avx2<T: Widen>(w: &[T], x: &[f32], ys: &mut [f32]) {
@@ -235,6 +241,9 @@ fn wide_vectors() -> (bool, bool) {
 }
 
 /// [`dot_lanes`] compiled for AVX-512.
+///
+/// # Safety
+/// The CPU has AVX-512F (this function's target features).
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx512f")]
 unsafe fn dot_avx512<T: Widen>(a: &[T], b: &[f32]) -> f32 {
@@ -242,6 +251,9 @@ unsafe fn dot_avx512<T: Widen>(a: &[T], b: &[f32]) -> f32 {
 }
 
 /// [`dot_lanes`] compiled for AVX2.
+///
+/// # Safety
+/// The CPU has AVX2 (this function's target features).
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx2")]
 unsafe fn dot_avx2<T: Widen>(a: &[T], b: &[f32]) -> f32 {
@@ -338,6 +350,9 @@ fn add_columns<T: Widen>(w: &[T], x: &[f32], out: usize, j0: usize, ys: &mut [f3
 }
 
 /// [`add_columns_lanes`] compiled for AVX-512.
+///
+/// # Safety
+/// The CPU has AVX-512F (this function's target features).
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx512f")]
 unsafe fn add_columns_avx512<T: Widen>(w: &[T], x: &[f32], out: usize, j0: usize, ys: &mut [f32]) {
@@ -345,6 +360,9 @@ unsafe fn add_columns_avx512<T: Widen>(w: &[T], x: &[f32], out: usize, j0: usize
 }
 
 /// [`add_columns_lanes`] compiled for AVX2.
+///
+/// # Safety
+/// The CPU has AVX2 (this function's target features).
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx2")]
 unsafe fn add_columns_avx2<T: Widen>(w: &[T], x: &[f32], out: usize, j0: usize, ys: &mut [f32]) {

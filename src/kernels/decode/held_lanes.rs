@@ -3,10 +3,9 @@
 //! register broadcast would move them: a K-quant block's per-group `d * sc` and `dmin * m`,
 //! and the `d` of 8 Q4_0 / Q5_0 blocks converted at once (off AMD also Q4_1's and Q5_1's `d`
 //! and `m` and Q8_0's `d`: an Intel Xeon's one shuffle port). In the exact row kernels those
-//! shuffles compete with the unpacking's for the same pipes, which bound the loops (AVX-512,
-//! TSC ticks per 32 values from L2: Q6_K 6.66 -> 5.29, Q4_K 5.82 -> 5.19, Q4_0 4.32 ->
-//! 3.73, Q5_0 5.81 -> 5.32; see docs/performance-archive.md). One `black_box` per hold keeps LLVM
-//! from turning the loads back into permutes.
+//! shuffles compete with the unpacking's for the same pipes, which bound the loops (the
+//! gain per type: docs/performance-archive.md). One `black_box` per hold keeps LLVM from
+//! turning the loads back into permutes.
 #![cfg_attr(not(target_arch = "x86_64"), allow(dead_code))]
 
 #[cfg(target_arch = "x86_64")]

@@ -291,6 +291,7 @@ struct SendPtr<T>(*mut T);
 
 // SAFETY: the tasks write disjoint chunks of the data behind it (see `run_shared`).
 unsafe impl<T: Send> Sync for SendPtr<T> {}
+// SAFETY: as for `Sync`: each task reaches only its own chunk through the pointer.
 unsafe impl<T: Send> Send for SendPtr<T> {}
 
 impl<T> SendPtr<T> {

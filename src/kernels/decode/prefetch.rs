@@ -1,18 +1,16 @@
 //! Software prefetch of a product's rows a little ahead of the row kernels. One thread's
 //! stream of GGUF blocks came in slower than the kernels take it with the hardware
-//! prefetchers alone; requesting each row's lines [`AHEAD`] bytes ahead made the decode
-//! 2-6% faster with the exact (f32) kernels and the AVX2 8-bit ones on AMD Zen 4, 30-70% on
-//! an Intel Xeon. The AVX-512 VNNI 8-bit kernels gained nothing on Zen 4 (Q8_0 lost 5%),
-//! but 30-70% on the Xeon, [`AHEAD_VNNI`] ahead: see [`vnni_ahead`] and docs/performance-archive.md.
+//! prefetchers alone; requesting each row's lines [`AHEAD`] bytes ahead makes the decode
+//! faster on both machines measured, and the AVX-512 VNNI 8-bit kernels' [`AHEAD_VNNI`]
+//! ahead off AMD only (see [`vnni_ahead`]; the figures: docs/performance-archive.md).
 
 #![cfg_attr(not(target_arch = "x86_64"), allow(dead_code))]
 
-/// Bytes ahead of the row being read that the kernels request (of 1, 2 and 4 KiB, the
-/// best on Zen 4 for every type).
+/// Bytes ahead of the row being read that the kernels request (the best of 1, 2 and 4 KiB
+/// for every type).
 pub(crate) const AHEAD: usize = 2048;
 
-/// Bytes ahead for the AVX-512 VNNI 8-bit kernels off AMD (of 2, 3, 4, 6 and 8 KiB on an
-/// Intel Xeon, 3-8 KiB alike, 2 KiB behind on Q4_K_M).
+/// Bytes ahead for the AVX-512 VNNI 8-bit kernels off AMD (the best of 2-8 KiB).
 pub(crate) const AHEAD_VNNI: usize = 4096;
 
 /// Bytes ahead the AVX-512 VNNI 8-bit kernels request: none on AMD, [`AHEAD_VNNI`]

@@ -34,7 +34,7 @@ static INT8_ACTIVATIONS: AtomicBool = AtomicBool::new(false);
 /// default. In decode steps every block type has 8-bit kernels with AVX-512 VNNI and with
 /// AVX2 + FMA + F16C; CPUs without AVX2 stay exact. Prompts of more than a few
 /// rows are 8-bit with AVX-512 VNNI, every integer block type (K-quants too) in one matrix
-/// product (about 2.8x the f32 micro-kernels' rate on AMD Zen 4), and exact elsewhere. On
+/// product (faster than the f32 micro-kernels, see docs/performance.md), and exact elsewhere. On
 /// CUDA the same switch picks candle's quantized kernels (which round the activations to 8
 /// bits) over the exact default there: the blocks dequantized on the device, then an f32
 /// product. Metal always takes candle's kernels (see `docs/guide/features.md`).
@@ -51,8 +51,7 @@ pub fn int8_activations() -> bool {
 const GROUP: usize = 4;
 
 /// Tasks a thread per product: fewer, longer streams of blocks than the dense kernels' 4
-/// (2 and 3 measured 1-2% faster a decode step than 4 on SmolLM2, 1 slower; see
-/// docs/performance-archive.md).
+/// (measured: docs/performance-archive.md).
 const TASKS_PER_THREAD: usize = 2;
 
 /// `bytes` (whole blocks of `ty`) dequantized into `out`: gguf-py's values, as

@@ -74,6 +74,9 @@ pub(crate) fn rows_dots<const R: usize>(
 #[cfg(target_arch = "x86_64")]
 use crate::kernels::quant::row_kinds::kind::{Q4_0, Q4_1, Q5_0, Q5_1, Q8_0};
 
+/// # Safety
+/// AVX2, FMA and F16C; `rows` holds whole rows of `row_bytes` (`inp` values in blocks of `ty`),
+/// `xs` points at `R` rows of `inp` readable floats, `out` holds `(rows - 1) ldo + R` floats.
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx2,fma,f16c")]
 unsafe fn rows_dots_avx2<const R: usize>(
@@ -133,6 +136,9 @@ unsafe fn rows_dots_avx2<const R: usize>(
 }
 
 /// `out[ldo i + r]` = the sum of `pending[r][i]`'s lanes for `i < n`.
+///
+/// # Safety
+/// The CPU has AVX2, FMA and F16C (this function's target features).
 #[cfg(target_arch = "x86_64")]
 #[inline]
 #[target_feature(enable = "avx2,fma,f16c")]
@@ -152,6 +158,9 @@ unsafe fn write_sums<const R: usize>(
 }
 
 /// Lane `i` = the sum of `v[i]`'s 8 lanes, in an order that depends on `v[i]` alone.
+///
+/// # Safety
+/// The CPU has AVX2, FMA and F16C (this function's target features).
 #[cfg(target_arch = "x86_64")]
 #[inline]
 #[target_feature(enable = "avx2,fma,f16c")]
@@ -176,6 +185,9 @@ unsafe fn sum8(v: &[__m256; 8]) -> __m256 {
 }
 
 /// Bytes `8 i..8 i + 8` of `v` (`i = half`), signed or unsigned, as 8 i32 lanes.
+///
+/// # Safety
+/// The CPU has AVX2, FMA and F16C (this function's target features).
 #[cfg(target_arch = "x86_64")]
 #[inline]
 #[target_feature(enable = "avx2,fma,f16c")]
@@ -190,6 +202,9 @@ unsafe fn byte_lanes<const SIGNED: bool>(v: __m128i, half: bool) -> __m256i {
 
 /// The 32 bytes of `v`, signed or unsigned, as four groups of 8 i32 lanes (bytes
 /// `8 g..8 g + 8`).
+///
+/// # Safety
+/// The CPU has AVX2, FMA and F16C (this function's target features).
 #[cfg(target_arch = "x86_64")]
 #[inline]
 #[target_feature(enable = "avx2,fma,f16c")]
@@ -207,6 +222,9 @@ unsafe fn byte_groups<const SIGNED: bool>(v: __m256i) -> [__m256i; 4] {
 /// `8 g..8 g + 8`: the low nibbles of bytes 0..8 and 8..16, then their high nibbles), each
 /// group from bytes widened as they are loaded: six instructions for [`nibbles`] and
 /// [`byte_groups`]' twelve.
+///
+/// # Safety
+/// AVX2 (the caller's target features); 16 readable bytes at `qs`.
 #[cfg(target_arch = "x86_64")]
 #[inline(always)]
 unsafe fn nibble_groups(qs: *const u8) -> [__m256i; 4] {
@@ -223,8 +241,11 @@ unsafe fn nibble_groups(qs: *const u8) -> [__m256i; 4] {
 
 /// [`nibbles`] with the 16 bytes broadcast to both lanes and the high lane shifted by 4 (per
 /// 32-bit word; the bits crossing in from a neighbour byte are masked off): three
-/// instructions for five, fewer on the shuffle pipes. Q5_0's exact kernel 4% faster for it
-/// on Zen 4, Q4_1's 7% slower (so only Q5_0 takes it).
+/// instructions for five, fewer on the shuffle pipes. Only Q5_0 takes it: it measured faster
+/// there and slower for Q4_1 (docs/performance-archive.md).
+///
+/// # Safety
+/// AVX2 (the caller's target features); 16 readable bytes at `qs`.
 #[cfg(target_arch = "x86_64")]
 #[inline(always)]
 unsafe fn nibbles_by_shift(qs: *const u8) -> __m256i {
@@ -277,7 +298,7 @@ unsafe fn block_integers<const K: u8>(b: *const u8) -> [__m256; 4] {
     if K == Q5_0 {
         let v = nibbles_by_shift(b.add(6));
         // `q - 16`: the offset taken off the bytes once for the block (signed from then on;
-        // measured 7% faster than on the lanes, and Q4_0 the other way round), as `low - 16`
+        // faster than on the lanes, and Q4_0 the other way round), as `low - 16`
         // where the fifth bit is clear, `low` where it is set.
         let clear = _mm256_andnot_si256(fifth_bit_set(b.add(2)), _mm256_set1_epi8(-16));
         return byte_groups::<true>(_mm256_add_epi8(v, clear)).map(|l| _mm256_cvtepi32_ps(l));
@@ -308,8 +329,7 @@ unsafe fn dot_blocks<const K: u8, const R: usize>(
         // Values `d * q'` exact in f32 (an f16 `d` has 11 significant bits, `q'` at most 8):
         // each block's `q' x` summed, then multiplied by `d` once, is the sum of gguf-py's
         // values times `x` up to f32 rounding, with three multiplications a block fewer for
-        // one row of `x` (L2 ticks on an Intel Xeon: Q4_0 9% fewer, Q5_0 5%, Q8_0 6%; with 2
-        // rows Q4_0 and Q5_0 2-6% fewer, Q8_0 6% more).
+        // one row of `x`.
         for i in 0..inp / 32 {
             let b = bp.add(i * size);
             let q = block_integers::<K>(b);
@@ -339,6 +359,9 @@ unsafe fn dot_blocks<const K: u8, const R: usize>(
 
 /// `acc += (dl * q - ml) * x` over 32 values `q` in four groups of 8 i32 lanes (gguf-py's
 /// Q4_K form: the product, then the difference, as one fused step: `dl * q` is exact).
+///
+/// # Safety
+/// AVX2, FMA and F16C; `x` points at `R` rows (row stride `inp`) of 32 readable floats.
 #[cfg(target_arch = "x86_64")]
 #[inline]
 #[target_feature(enable = "avx2,fma,f16c")]
@@ -362,6 +385,10 @@ unsafe fn fma_scaled_min<const R: usize>(
 /// is `d * sc_g * q - dmin * m_g` over the low (even `g`) or high (odd) nibbles of
 /// `qs[32 (g / 2)..][..32]`. With `Q5`, Q5_K rows: `u8 qh[32]` before `qs`, bit `g` of
 /// `qh[l]` the fifth bit of value `l` of group `g`.
+///
+/// # Safety
+/// AVX2, FMA and F16C; `row` holds `inp / 256` whole blocks, `xp` `R` rows of `inp` readable
+/// floats.
 #[cfg(target_arch = "x86_64")]
 #[inline]
 #[target_feature(enable = "avx2,fma,f16c")]
@@ -432,6 +459,10 @@ unsafe fn dot_q4_k<const R: usize, const Q5: bool>(
 /// the AVX-512 kernel's `q2_q3_k_values` makes it (Q2_K: `(d * (sc_g & 15)) * q - dmin *
 /// (sc_g >> 4)`; Q3_K: `(d * sc_g) * (q - 4)`, the 4 not taken where bit `4 h + j` of
 /// `hmask[l]` is set).
+///
+/// # Safety
+/// AVX2, FMA and F16C; `row` holds `inp / 256` whole blocks, `xp` `R` rows of `inp` readable
+/// floats.
 #[cfg(target_arch = "x86_64")]
 #[inline]
 #[target_feature(enable = "avx2,fma,f16c")]
@@ -523,6 +554,10 @@ unsafe fn dot_q2_q3_k<const R: usize, const Q3: bool>(
 /// `128 h + 32 t + l` is `(d * scales[8 h + 2 t + l / 16]) * (q - 32)` with the low four
 /// bits from `ql[64 h + 32 (t % 2) + l] >> 4 (t / 2)` and the high two from
 /// `qh[32 h + l] >> 2 t`.
+///
+/// # Safety
+/// AVX2, FMA and F16C; `row` holds `inp / 256` whole blocks, `xp` `R` rows of `inp` readable
+/// floats.
 #[cfg(target_arch = "x86_64")]
 #[inline]
 #[target_feature(enable = "avx2,fma,f16c")]

@@ -224,8 +224,8 @@ unsafe fn dequantize_avx512(ty: QuantType, b: *const u8, out: &mut [f32]) -> boo
 /// each lane; those above are not zero): lane `j` of `bytes` holds the block's byte `j`
 /// (value `j`'s low four bits in its low nibble, value `16 + j`'s in its high one), bit `j`
 /// of the 32 at `qh` is value `j`'s fifth. Each fifth bit is rotated onto bit 4 of its lane
-/// and put in by one bit select: no mask registers, whose loads from memory cost Q5_0's
-/// exact rows 6% more ticks on an Intel Xeon than these two rotates.
+/// and put in by one bit select: no mask registers, whose loads from memory measured slower
+/// than these two rotates.
 ///
 /// # Safety
 /// AVX-512F; four readable bytes at `qh`.
@@ -265,6 +265,10 @@ const Q6K: u8 = 4;
 /// (`{ f16 d; f16 dmin; u8 scales[12]; u8 qs[128] }`, [`q4_k_values`]), Q5_K (the same with
 /// `u8 qh[32]` before `qs`, [`q5_k_values`]) or Q6_K (`{ u8 ql[128]; u8 qh[64]; i8
 /// scales[16]; f16 d }`, [`q6_k_values`]): four accumulators a row, summed by the caller.
+///
+/// # Safety
+/// AVX-512F; `row` holds `inp / 256` whole blocks of kind `K`, `xp` `R` rows of `inp` readable
+/// floats.
 #[cfg(target_arch = "x86_64")]
 #[inline]
 #[target_feature(enable = "avx512f")]
@@ -295,6 +299,9 @@ unsafe fn dot_k<const R: usize, const K: u8>(
 
 /// A Q4_K / Q5_K block's `dl` (`d * sc_g`) of its 8 groups in lanes 0..8 and their `ml`
 /// (`dmin * m_g`) in lanes 8..16, from `{ f16 d; f16 dmin; u8 scales[12] }` at `b`.
+///
+/// # Safety
+/// AVX-512F; 16 readable bytes at `b` (a Q4_K or Q5_K block's start).
 #[cfg(target_arch = "x86_64")]
 #[inline]
 #[target_feature(enable = "avx512f")]
@@ -313,6 +320,9 @@ unsafe fn k4_scales_mins(b: *const u8) -> __m512 {
 /// `qs[32 (g / 2)..][..32]`. Each group looks its values up in a table of the 16 it can hold:
 /// `dl = d * sc_g` (11 by 6 significant bits) and `dl * q` (17 by 4) are exact in f32, so one
 /// fused `dl * q - ml` rounds as gguf-py's product then difference.
+///
+/// # Safety
+/// AVX-512F; `b` points at a whole Q4_K block.
 #[cfg(target_arch = "x86_64")]
 #[inline]
 #[target_feature(enable = "avx512f")]
@@ -345,6 +355,9 @@ unsafe fn q4_k_values(b: *const u8, mut f: impl FnMut(usize, __m512)) {
 /// dmin * (sc_g >> 4)` (the product exact, so one fused step rounds as gguf-py's two),
 /// Q3_K's `(d * sc_g) * (q - 4)`, the 4 not taken where bit `4 h + j` of `hmask[l]` is set,
 /// `sc_g` its 6-bit scale `- 32` ([`q3_k_scales`]).
+///
+/// # Safety
+/// AVX-512F; `b` points at a whole Q2_K block (Q3_K with `Q3`).
 #[cfg(target_arch = "x86_64")]
 #[inline]
 #[target_feature(enable = "avx512f")]
@@ -426,6 +439,9 @@ unsafe fn q2_q3_k_values<const Q3: bool>(b: *const u8, mut f: impl FnMut(usize, 
 /// Q4_K gives it and bit `g` of `qh[l]` as its fifth bit. Each group looks its values up in
 /// a table of the 32 it can hold (two registers, `vpermt2ps`): `dl * q` (17 by 5
 /// significant bits) is exact, so one fused `dl * q - ml` rounds as gguf-py's two steps.
+///
+/// # Safety
+/// AVX-512F; `b` points at a whole Q5_K block.
 #[cfg(target_arch = "x86_64")]
 #[inline]
 #[target_feature(enable = "avx512f")]
@@ -473,6 +489,9 @@ unsafe fn q5_k_values(b: *const u8, mut f: impl FnMut(usize, __m512)) {
 /// The 256 values of the Q6_K block at `b`, 16 at a time as [`q4_k_values`]: value `128 h +
 /// 32 t + l` is `(d * scales[8 h + 2 t + l / 16]) * (q - 32)` with the low four bits from
 /// `ql[64 h + 32 (t % 2) + l] >> 4 (t / 2)` and the high two from `qh[32 h + l] >> 2 t`.
+///
+/// # Safety
+/// AVX-512F; `b` points at a whole Q6_K block.
 #[cfg(target_arch = "x86_64")]
 #[inline]
 #[target_feature(enable = "avx512f")]
@@ -503,9 +522,9 @@ unsafe fn q6_k_values(b: *const u8, mut f: impl FnMut(usize, __m512)) {
 }
 
 /// Whether the 32-value kernels hold every type's scales in memory (eight blocks a step),
-/// not only Q4_0's and Q5_0's: on an Intel Xeon, where lane broadcasts and permutes share
-/// one port with half the FMAs, that took Q4_1 / Q5_1 / Q8_0 22% / 17% / 17% fewer ticks; on
-/// AMD Zen 4 (two shuffle pipes) it was no faster (see docs/performance-archive.md).
+/// not only Q4_0's and Q5_0's: faster on an Intel Xeon, where lane broadcasts and permutes
+/// share one port with half the FMAs; no faster on AMD Zen 4, which has two shuffle pipes
+/// (docs/performance-archive.md).
 #[cfg(target_arch = "x86_64")]
 fn hold_all_scales() -> bool {
     #[cfg(test)]
@@ -631,7 +650,7 @@ unsafe fn dot_blocks<const K: u8, const R: usize>(
 /// The `d` and `m` of the 8 Q4_1 blocks at `b` as f32: block `k`'s in lanes `2 k` and
 /// `2 k + 1`. Each block's two f16 are its first 4-byte word, at word `5 k` (20-byte
 /// blocks): one two-register permute picks all 8, in place of 8 scalar loads, shifts and
-/// ors a scale (Q4_1's rows 10-13% fewer L2 ticks on an Intel Xeon).
+/// ors a scale.
 ///
 /// # Safety
 /// AVX-512F; 8 whole Q4_1 blocks at `b` (160 bytes; bytes `0..144` are read).
@@ -650,6 +669,9 @@ unsafe fn q4_1_scales8(b: *const u8) -> __m512 {
 }
 
 /// `0, 1, ..., 15` as f32 lanes.
+///
+/// # Safety
+/// The CPU has AVX-512F (this function's target features).
 #[cfg(target_arch = "x86_64")]
 #[inline]
 #[target_feature(enable = "avx512f")]
@@ -661,6 +683,9 @@ unsafe fn iota16() -> __m512 {
 
 /// The two f16 at `p` (a block's `d`, then its `m` or nothing) as f32 lanes broadcast:
 /// `(d, m)`.
+///
+/// # Safety
+/// AVX-512F; four readable bytes at `p`.
 #[cfg(target_arch = "x86_64")]
 #[inline]
 #[target_feature(enable = "avx512f")]
@@ -742,9 +767,7 @@ unsafe fn block_integers<const K: u8>(b: *const u8) -> (__m512, __m512) {
 /// the integers `lo`, `hi` ([`symmetric`]): those products exact, the integers' products
 /// with `x` summed before the one multiplication by `d` are the sum of gguf-py's values
 /// times `x` up to f32 rounding. For one row of `x` a Q8_0 block takes one multiplication
-/// fewer than making each value, and Q4_0's and Q5_0's integers come from constant tables
-/// (L2 ticks on an Intel Xeon: Q8_0 7% fewer, Q4_0 4%; with 4 rows of `x` 8-33% fewer,
-/// with 2 about the same).
+/// fewer than making each value, and Q4_0's and Q5_0's integers come from constant tables.
 ///
 /// # Safety
 /// AVX-512F; `xb` points at 32 readable floats.

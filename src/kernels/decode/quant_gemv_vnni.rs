@@ -368,6 +368,9 @@ unsafe fn dot_q4_k<const Q5: bool, const R: usize>(
 
 /// The lanes of a 64-value chunk's `vpdpbusd` sums by 16-value group, as indices into a
 /// vector of the 16 groups' factors: chunk `c`'s lanes 4 each from groups `4 c..4 c + 4`.
+///
+/// # Safety
+/// The CPU has AVX-512F (this function's target features).
 #[cfg(target_arch = "x86_64")]
 #[inline]
 #[target_feature(enable = "avx512f")]

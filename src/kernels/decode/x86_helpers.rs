@@ -9,6 +9,9 @@ use std::arch::x86_64::*;
 use crate::kernels::quant::activations::QuantizedX;
 
 /// The sum of the 8 lanes.
+///
+/// # Safety
+/// The CPU has AVX2, FMA and F16C (this function's target features).
 #[cfg(target_arch = "x86_64")]
 #[inline]
 #[target_feature(enable = "avx2,fma,f16c")]
@@ -40,6 +43,9 @@ pub(crate) unsafe fn halves_at(p: *const u8) -> __m128 {
 }
 
 /// The f16 at `p` as f32 ([`halves_at`]; four readable bytes at `p`).
+///
+/// # Safety
+/// F16C (the caller's target features); four readable bytes at `p`.
 #[cfg(target_arch = "x86_64")]
 #[inline(always)]
 pub(crate) unsafe fn half_at(p: *const u8) -> f32 {
@@ -47,6 +53,9 @@ pub(crate) unsafe fn half_at(p: *const u8) -> f32 {
 }
 
 /// The f16 ending a block at `end` (Q6_K's `d`) as f32: read with the two bytes before it.
+///
+/// # Safety
+/// F16C (the caller's target features); four readable bytes ending at `end`.
 #[cfg(target_arch = "x86_64")]
 #[inline(always)]
 pub(crate) unsafe fn half_before(end: *const u8) -> f32 {
@@ -56,6 +65,9 @@ pub(crate) unsafe fn half_before(end: *const u8) -> f32 {
 /// The 32 values `q - 32` of the Q6_K block at `b` from value `128 h + 32 t` on, as signed
 /// bytes: the low four bits from `ql[64 h + 32 (t % 2) + l] >> 4 (t / 2)`, the high two from
 /// `qh[32 h + l] >> 2 t` (both row kernels' unpacking).
+///
+/// # Safety
+/// AVX2; `b` points at a whole Q6_K block, `h` below 2 and `t` below 4.
 #[cfg(target_arch = "x86_64")]
 #[inline]
 #[target_feature(enable = "avx2")]
@@ -105,6 +117,9 @@ pub(crate) unsafe fn q3_k_scales(p: *const u8) -> __m128i {
 
 /// The 32 values of a 4-bit block's 16 bytes at `qs` as unsigned bytes in value order
 /// (values `j` in the low nibbles, `16 + j` in the high ones).
+///
+/// # Safety
+/// AVX2 (the caller's target features); 16 readable bytes at `qs`.
 #[cfg(target_arch = "x86_64")]
 #[inline(always)]
 pub(crate) unsafe fn nibbles(qs: *const u8) -> __m256i {
@@ -116,6 +131,9 @@ pub(crate) unsafe fn nibbles(qs: *const u8) -> __m256i {
 }
 
 /// 0x10 in byte `j` where bit `j` of the u32 at `qh` is set (the 5-bit types' high bits).
+///
+/// # Safety
+/// AVX2 (the caller's target features); four readable bytes at `qh`.
 #[cfg(target_arch = "x86_64")]
 #[inline(always)]
 pub(crate) unsafe fn fifth_bits(qh: *const u8) -> __m256i {
@@ -124,6 +142,9 @@ pub(crate) unsafe fn fifth_bits(qh: *const u8) -> __m256i {
 
 /// 0xFF in byte `j` where bit `j` of the u32 at `qh` is set, else 0: each byte of the
 /// broadcast bits picked for its 8 lanes, then compared whole.
+///
+/// # Safety
+/// AVX2 (the caller's target features); four readable bytes at `qh`.
 #[cfg(target_arch = "x86_64")]
 #[inline(always)]
 pub(crate) unsafe fn fifth_bit_set(qh: *const u8) -> __m256i {
@@ -248,6 +269,9 @@ pub(crate) unsafe fn with_x<const K: u8>(
 }
 
 /// The little-endian u32 at `p`.
+///
+/// # Safety
+/// Four readable bytes at `p`.
 #[cfg(target_arch = "x86_64")]
 #[inline(always)]
 pub(crate) unsafe fn read_u32(p: *const u8) -> u32 {
@@ -322,6 +346,9 @@ impl<'a, const R: usize> RowSums<'a, R> {
 }
 
 /// Lane `i` = the sum of `v[i]`'s 16 lanes, in an order that depends on `v[i]` alone.
+///
+/// # Safety
+/// The CPU has AVX-512F (this function's target features).
 #[cfg(target_arch = "x86_64")]
 #[inline]
 #[target_feature(enable = "avx512f")]

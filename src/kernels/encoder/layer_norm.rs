@@ -83,12 +83,16 @@ fn row(a: &mut [f32], b: &[f32], gamma: &[f32], beta: &[f32], eps: f32) {
     }
 }
 
+/// # Safety
+/// The CPU has AVX-512F (this function's target features).
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx512f")]
 unsafe fn row_avx512(a: &mut [f32], b: &[f32], gamma: &[f32], beta: &[f32], eps: f32) {
     row_lanes(a, b, gamma, beta, eps);
 }
 
+/// # Safety
+/// The CPU has AVX2 and FMA (this function's target features).
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx2,fma")]
 unsafe fn row_avx2(a: &mut [f32], b: &[f32], gamma: &[f32], beta: &[f32], eps: f32) {

@@ -311,8 +311,7 @@ pub(crate) fn matmul(
         return Ok(());
     }
     // One part per thread along the longer side of `dst`, each a single-threaded product:
-    // 395-410 GFLOP/s on the projections of a (1, 512, 768) training step where the `gemm`
-    // crate's own threads reach 364-389 (2 threads, docs/performance-archive.md).
+    // faster than the `gemm` crate's own threads here (docs/performance-archive.md).
     let (rows, align) = if m >= n { (true, 8) } else { (false, 16) };
     let len = if rows { m } else { n };
     let part = len.div_ceil(n_threads).div_ceil(align) * align;

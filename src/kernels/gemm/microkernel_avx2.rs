@@ -7,8 +7,8 @@
 //! strips of 16 with a `6 x 16` full tile (the BLIS Haswell/Zen tile: every panel load feeds
 //! 6, every broadcast 2), a 32-column panel (per-task K^T) as two strips of 16. Both tiles
 //! hold 12 accumulators, enough to cover the multiply-add latency on two pipes; `4 x 24`
-//! measured 1-10% faster than `6 x 16` on the 48-column panels (bench at seq 32-512, AMD
-//! Zen 3). The depth is split in equal blocks of at most [`KC`] so that a block of the
+//! measured faster than `6 x 16` on the 48-column panels (docs/performance-archive.md). The
+//! depth is split in equal blocks of at most [`KC`] so that a block of the
 //! panel stays in L1 while the row groups go by. Edge columns (a narrower last panel) use
 //! masked loads and stores of `c` and the bias; the panel is read in whole registers, up to
 //! the next multiple of 8 past `width` (its zero padding).
@@ -22,10 +22,8 @@ use crate::kernels::gemm::depth_blocks::Start;
 
 /// Most depth of one pass over a panel (96 x 64 floats = 24 KiB, within a 32 KiB L1);
 /// [`depth_blocks`] splits a longer depth in equal blocks (240 as 3 x 80).
-/// Measured single-thread on AMD Zen 3, depths interleaved in one process, best of 60: the
-/// sentence-scale projection `32 x 384 x 1152` ran at 86.5-88.5 GFLOP/s with 96 against
-/// 85-86 (128), 81 (192) and 80-81 (384, the whole depth, the accumulators loaded once);
-/// at `512 x 768 x 2304`, 96 was fastest or tied (82-84 against 82.7 for 128, 77.8 for 192).
+/// 96 measured fastest of 96-384 at sentence and long-input shapes
+/// (docs/performance-archive.md).
 #[cfg(target_arch = "x86_64")]
 const KC: usize = 96;
 
@@ -91,6 +89,11 @@ const fn strip_regs(w: usize) -> usize {
 }
 
 /// One depth block: every row group against every strip of the panel.
+///
+/// # Safety
+/// AVX2 and FMA; `a` addresses `m` rows of `kc` readable floats (row stride `lda`), `b` `kc *
+/// W` readable floats, `c` `m` rows of `width` floats (row stride `ldc`) writable, and readable
+/// when `start` accumulates; `c` overlaps neither `a` nor `b`.
 #[cfg(target_arch = "x86_64")]
 #[allow(clippy::too_many_arguments)]
 #[target_feature(enable = "avx2,fma")]
@@ -126,6 +129,11 @@ unsafe fn block<const W: usize>(
 }
 
 /// A tile of `rows` (1..=6) x `cols` (1..=24) with the kernel of matching size.
+///
+/// # Safety
+/// AVX2 and FMA; `a` addresses `rows` rows of `kc` readable floats (row stride `lda`), `b` `kc
+/// * W` readable floats, `c` `rows` rows of `cols` floats (row stride `ldc`) writable, and
+/// readable when `start` accumulates; `c` overlaps neither `a` nor `b`.
 #[cfg(target_arch = "x86_64")]
 #[allow(clippy::too_many_arguments)]
 #[inline]
@@ -166,6 +174,10 @@ unsafe fn tile<const W: usize>(
 
 /// The accumulators of an `R x C`-register tile from `start`; the last register holds
 /// `last` (1..=8) columns (masked loads when fewer than 8).
+///
+/// # Safety
+/// AVX2 and FMA; `c` addresses `R` rows (row stride `ldc`) of `8 (C - 1) + last` readable
+/// floats when `start` accumulates.
 #[cfg(target_arch = "x86_64")]
 #[inline]
 #[target_feature(enable = "avx2,fma")]
@@ -200,6 +212,10 @@ unsafe fn load_tile<const R: usize, const C: usize>(
 }
 
 /// Stores an `R x C`-register tile; the last register holds `last` (1..=8) columns.
+///
+/// # Safety
+/// AVX2 and FMA; `c` addresses `R` rows (row stride `ldc`) of `8 (C - 1) + last` writable
+/// floats.
 #[cfg(target_arch = "x86_64")]
 #[inline]
 #[target_feature(enable = "avx2,fma")]
@@ -224,6 +240,12 @@ unsafe fn store_tile<const R: usize, const C: usize>(
 
 /// The full `4 x 24` tile: the inner loop in assembly (compilers fold the panel loads into
 /// every multiply-add as memory operands, which makes the loop bound on loads).
+///
+/// # Safety
+/// AVX2 and FMA; `a` addresses 4 rows of `kc` readable floats (row stride `lda`), `b` `kc * W`
+/// readable floats (the panel), `c` the tile's rows (row stride `ldc`) writable, and readable
+/// when `start` accumulates, for the tile's columns (`last` in its last register); `c` overlaps
+/// neither `a` nor `b`.
 #[cfg(target_arch = "x86_64")]
 #[allow(clippy::too_many_arguments)]
 #[inline]
@@ -289,6 +311,12 @@ unsafe fn kernel_4x24<const W: usize>(
 }
 
 /// The full `6 x 16` tile, the inner loop in assembly (see [`kernel_4x24`]).
+///
+/// # Safety
+/// AVX2 and FMA; `a` addresses 6 rows of `kc` readable floats (row stride `lda`), `b` `kc * W`
+/// readable floats (the panel), `c` the tile's rows (row stride `ldc`) writable, and readable
+/// when `start` accumulates, for the tile's columns (`last` in its last register); `c` overlaps
+/// neither `a` nor `b`.
 #[cfg(target_arch = "x86_64")]
 #[allow(clippy::too_many_arguments)]
 #[inline]
@@ -357,6 +385,9 @@ unsafe fn kernel_6x16<const W: usize>(
 }
 
 /// Lane mask of the first `n` (1..=8) lanes.
+///
+/// # Safety
+/// The CPU has AVX2 and FMA (this function's target features).
 #[cfg(target_arch = "x86_64")]
 #[inline]
 #[target_feature(enable = "avx2,fma")]
@@ -368,6 +399,9 @@ unsafe fn lanes(n: usize) -> __m256i {
 }
 
 /// 8 floats at `p`, or only the lanes of `mask` when `masked` (the others read as 0).
+///
+/// # Safety
+/// AVX2 and FMA; `p` points at 8 readable floats, or at the lanes of `mask` when `masked`.
 #[cfg(target_arch = "x86_64")]
 #[inline]
 #[target_feature(enable = "avx2,fma")]
@@ -381,6 +415,12 @@ unsafe fn load_part(p: *const f32, masked: bool, mask: __m256i) -> __m256 {
 
 /// An `R x C`-register tile (`C` = 1 or 2 registers of 8 columns; the last one holds
 /// `last` columns).
+///
+/// # Safety
+/// AVX2 and FMA; `a` addresses the tile's rows of `kc` readable floats (row stride `lda`), `b`
+/// `kc * W` readable floats (the panel), `c` the tile's rows (row stride `ldc`) writable, and
+/// readable when `start` accumulates, for the tile's columns (`last` in its last register); `c`
+/// overlaps neither `a` nor `b`.
 #[cfg(target_arch = "x86_64")]
 #[allow(clippy::too_many_arguments)]
 #[inline]
