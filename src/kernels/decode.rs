@@ -20,5 +20,6 @@ pub(crate) mod quant_gemv_avx2;
 pub(crate) mod quant_gemv_avx512;
 pub(crate) mod quant_gemv_int8_avx2;
 pub(crate) mod quant_gemv_vnni;
+pub(crate) mod row_kernels;
 #[cfg(target_arch = "x86_64")]
 pub(crate) mod x86_helpers;

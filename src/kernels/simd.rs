@@ -83,6 +83,7 @@ pub(crate) fn isa() -> Isa {
 
 /// The CPU's features the kernels ask about beyond [`isa`]'s levels, detected once: the
 /// one place the crate's kernels detect CPU features.
+#[cfg(target_arch = "x86_64")]
 #[derive(Debug, Clone, Copy)]
 struct Features {
     f16c: bool,
@@ -90,37 +91,28 @@ struct Features {
     avx512_vnni: bool,
 }
 
+#[cfg(target_arch = "x86_64")]
 fn features() -> Features {
     static FEATURES: OnceLock<Features> = OnceLock::new();
     *FEATURES.get_or_init(|| {
-        #[cfg(target_arch = "x86_64")]
-        {
-            let f16c = is_x86_feature_detected!("f16c");
-            let fma = is_x86_feature_detected!("fma");
-            Features {
-                f16c,
-                avx2_fma_f16c: is_x86_feature_detected!("avx2") && fma && f16c,
-                avx512_vnni: is_x86_feature_detected!("avx512f")
-                    && is_x86_feature_detected!("avx512bw")
-                    && is_x86_feature_detected!("avx512vl")
-                    && is_x86_feature_detected!("avx512vnni")
-                    && f16c
-                    && fma,
-            }
-        }
-        #[cfg(not(target_arch = "x86_64"))]
-        {
-            Features {
-                f16c: false,
-                avx2_fma_f16c: false,
-                avx512_vnni: false,
-            }
+        let f16c = is_x86_feature_detected!("f16c");
+        let fma = is_x86_feature_detected!("fma");
+        Features {
+            f16c,
+            avx2_fma_f16c: is_x86_feature_detected!("avx2") && fma && f16c,
+            avx512_vnni: is_x86_feature_detected!("avx512f")
+                && is_x86_feature_detected!("avx512bw")
+                && is_x86_feature_detected!("avx512vl")
+                && is_x86_feature_detected!("avx512vnni")
+                && f16c
+                && fma,
         }
     })
 }
 
 /// F16C's conversions with AVX2 + FMA, the instruction set not capped below AVX2 (the f16
 /// matrix-vector loops' AVX2 form).
+#[cfg(target_arch = "x86_64")]
 pub(crate) fn avx2_f16c() -> bool {
     features().f16c && matches!(isa(), Isa::Avx2 | Isa::Avx512)
 }
@@ -128,13 +120,19 @@ pub(crate) fn avx2_f16c() -> bool {
 /// AVX2, FMA and F16C, the instruction set not capped below AVX2 (the GGUF row kernels'
 /// AVX2 forms, exact and 8-bit).
 pub(crate) fn avx2_fma_f16c() -> bool {
-    features().avx2_fma_f16c && matches!(isa(), Isa::Avx2 | Isa::Avx512)
+    #[cfg(target_arch = "x86_64")]
+    return features().avx2_fma_f16c && matches!(isa(), Isa::Avx2 | Isa::Avx512);
+    #[cfg(not(target_arch = "x86_64"))]
+    false
 }
 
 /// AVX-512 F, BW, VL and VNNI with F16C and FMA, the instruction set not capped below
 /// AVX-512 (the 8-bit GGUF kernels' AVX-512 form).
 pub(crate) fn avx512_vnni() -> bool {
-    features().avx512_vnni && isa() == Isa::Avx512
+    #[cfg(target_arch = "x86_64")]
+    return features().avx512_vnni && isa() == Isa::Avx512;
+    #[cfg(not(target_arch = "x86_64"))]
+    false
 }
 
 /// Whether the CPU is AMD's ("AuthenticAMD"): a few thresholds were measured apart on AMD

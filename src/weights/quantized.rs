@@ -54,10 +54,11 @@ enum Blocks {
 /// row kernels (4 rows of `x` a pass), ~24-32 with the AVX2 ones (2 a pass), ~24-32 for the
 /// 8-bit row kernels (4 a pass) against the 8-bit prompt product.
 fn few_rows() -> usize {
-    use crate::kernels::decode::quant_gemv_avx512;
+    use crate::kernels::decode::quant_gemv_avx512::Avx512;
+    use crate::kernels::decode::row_kernels::RowKernels;
     if int8_activations() && int8_product::available() {
         24
-    } else if quant_gemv_avx512::supports(QuantType::Q8_0) {
+    } else if Avx512::supports(QuantType::Q8_0) {
         48
     } else {
         24

@@ -15,9 +15,11 @@ use crate::error::{Error, Result};
 use crate::kernels::activation::silu_times_in_place;
 use crate::kernels::decode::gemv::{dot_rows, task_len_per, ROWS_PER_TASK};
 use crate::kernels::decode::keep_warm;
-use crate::kernels::decode::quant_gemv_int8_avx2;
-use crate::kernels::decode::quant_gemv_vnni;
-use crate::kernels::decode::{quant_gemv_avx2, quant_gemv_avx512};
+use crate::kernels::decode::quant_gemv_avx2::Avx2;
+use crate::kernels::decode::quant_gemv_avx512::{self, Avx512};
+use crate::kernels::decode::quant_gemv_int8_avx2::Int8Avx2;
+use crate::kernels::decode::quant_gemv_vnni::Vnni;
+use crate::kernels::decode::row_kernels::{rows_in_runs, RowKernels};
 use crate::kernels::quant::activations::QuantizedX;
 use crate::kernels::quant::blocks::{self, QuantType};
 use crate::kernels::scratch::with_scratch;
@@ -74,25 +76,10 @@ impl Int8Rows {
     /// `ys[nx j + i] = W[j] x_i` for the whole `ty` rows in `rows` and the quantized rows
     /// `xq` (`nx` of them); `false` when the kernel refuses them.
     fn run(self, ty: QuantType, rows: &[u8], xq: &[QuantizedX], ys: &mut [f32]) -> bool {
-        let nx = xq.len();
-        let most = match self {
-            Self::Vnni => 4,
-            Self::Avx2 => 2,
-        };
-        in_runs(nx, most, |first, take| {
-            let x = &xq[first..first + take];
-            let Some(y) = ys.get_mut(first..) else {
-                return false;
-            };
-            match (self, take) {
-                (Self::Vnni, 4) => quant_gemv_vnni::rows_dots::<4>(ty, rows, x, y, nx),
-                (Self::Vnni, 3) => quant_gemv_vnni::rows_dots::<3>(ty, rows, x, y, nx),
-                (Self::Vnni, 2) => quant_gemv_vnni::rows_dots::<2>(ty, rows, x, y, nx),
-                (Self::Vnni, _) => quant_gemv_vnni::rows_dots::<1>(ty, rows, x, y, nx),
-                (Self::Avx2, 2) => quant_gemv_int8_avx2::rows_dots::<2>(ty, rows, x, y, nx),
-                (Self::Avx2, _) => quant_gemv_int8_avx2::rows_dots::<1>(ty, rows, x, y, nx),
-            }
-        })
+        match self {
+            Self::Vnni => rows_in_runs::<Vnni>(ty, rows, xq, xq.len(), ys),
+            Self::Avx2 => rows_in_runs::<Int8Avx2>(ty, rows, xq, xq.len(), ys),
+        }
     }
 }
 
@@ -101,48 +88,13 @@ impl Int8Rows {
 /// `CANDLE_ATTENTION_ISA`), each block unpacked once for up to 4 (AVX-512) or 2 (AVX2) rows
 /// of `x` at a time; `false` when the CPU or type has none (rows dequantized into scratch).
 fn kernel_rows(ty: QuantType, rows: &[u8], xs: &[f32], nx: usize, ys: &mut [f32]) -> bool {
-    let inp = xs.len() / nx.max(1);
-    if quant_gemv_avx512::supports(ty) {
-        in_runs(nx, 4, |first, take| {
-            let x = &xs[first * inp..(first + take) * inp];
-            let Some(y) = ys.get_mut(first..) else {
-                return false;
-            };
-            match take {
-                4 => quant_gemv_avx512::rows_dots::<4>(ty, rows, x, y, nx),
-                3 => quant_gemv_avx512::rows_dots::<3>(ty, rows, x, y, nx),
-                2 => quant_gemv_avx512::rows_dots::<2>(ty, rows, x, y, nx),
-                _ => quant_gemv_avx512::rows_dots::<1>(ty, rows, x, y, nx),
-            }
-        })
-    } else if quant_gemv_avx2::supports(ty) {
-        in_runs(nx, 2, |first, take| {
-            let x = &xs[first * inp..(first + take) * inp];
-            let Some(y) = ys.get_mut(first..) else {
-                return false;
-            };
-            match take {
-                2 => quant_gemv_avx2::rows_dots::<2>(ty, rows, x, y, nx),
-                _ => quant_gemv_avx2::rows_dots::<1>(ty, rows, x, y, nx),
-            }
-        })
+    if Avx512::supports(ty) {
+        rows_in_runs::<Avx512>(ty, rows, xs, nx, ys)
+    } else if Avx2::supports(ty) {
+        rows_in_runs::<Avx2>(ty, rows, xs, nx, ys)
     } else {
         false
     }
-}
-
-/// `f(first, take)` for the rows `0..nx` of `x` in runs of at most `most`, in order; `false`
-/// at the first run `f` refuses.
-fn in_runs(nx: usize, most: usize, mut f: impl FnMut(usize, usize) -> bool) -> bool {
-    let mut first = 0;
-    while first < nx {
-        let take = most.min(nx - first);
-        if !f(first, take) {
-            return false;
-        }
-        first += take;
-    }
-    true
 }
 
 /// Checks a tree that sums each of `L` vectors of `L` lanes into lane `i` of its result: each
@@ -378,9 +330,9 @@ fn quantized_for(
 fn int8_row_kernel(ty: QuantType, int8: bool) -> Option<Int8Rows> {
     if !int8 {
         None
-    } else if quant_gemv_vnni::supports(ty) {
+    } else if Vnni::supports(ty) {
         Some(Int8Rows::Vnni)
-    } else if quant_gemv_int8_avx2::supports(ty) {
+    } else if Int8Avx2::supports(ty) {
         Some(Int8Rows::Avx2)
     } else {
         None
@@ -466,7 +418,7 @@ fn rows_of(
             )));
         }
     } else if !kernel_rows(ty, mine, xs, nx, ys) {
-        if quant_gemv_avx512::supports(ty) || quant_gemv_avx2::supports(ty) {
+        if Avx512::supports(ty) || Avx2::supports(ty) {
             return Err(Error::Kernel(format!(
                 "{ty}: the row kernel refused its rows"
             )));
@@ -500,6 +452,7 @@ fn rows_of(
 mod tests {
     use super::*;
     use crate::kernels::decode::gemv::gemv;
+    use crate::kernels::decode::row_kernels::{row_dot, rows_dots};
     use crate::kernels::quant::blocks::tests::ggml;
     use crate::kernels::quant::row_kinds::ROW_KERNEL_TYPES;
     use candle_core::quantized::QTensor;
@@ -553,20 +506,20 @@ mod tests {
         let kernels: [(&str, Supports, RowDot, Option<bool>); 3] = [
             (
                 "avx512 held",
-                quant_gemv_avx512::supports,
-                quant_gemv_avx512::row_dot,
+                <Avx512 as RowKernels>::supports,
+                row_dot::<Avx512>,
                 Some(true),
             ),
             (
                 "avx512",
-                quant_gemv_avx512::supports,
-                quant_gemv_avx512::row_dot,
+                <Avx512 as RowKernels>::supports,
+                row_dot::<Avx512>,
                 Some(false),
             ),
             (
                 "avx2",
-                quant_gemv_avx2::supports,
-                quant_gemv_avx2::row_dot,
+                <Avx2 as RowKernels>::supports,
+                row_dot::<Avx2>,
                 None,
             ),
         ];
@@ -661,7 +614,7 @@ mod tests {
         for ty in ROW_KERNEL_TYPES {
             use crate::kernels::simd::{isa, Isa};
             assert_eq!(
-                quant_gemv_avx512::supports(ty),
+                <Avx512 as RowKernels>::supports(ty),
                 matches!(isa(), Isa::Avx512),
                 "{ty}: kernel"
             );
@@ -671,16 +624,16 @@ mod tests {
         // AVX-512 with every type's scales held and without, whatever the CPU's vendor.
         let kernels: [(Supports, RowDot, Option<bool>); 3] = [
             (
-                quant_gemv_avx512::supports,
-                quant_gemv_avx512::row_dot,
+                <Avx512 as RowKernels>::supports,
+                row_dot::<Avx512>,
                 Some(true),
             ),
             (
-                quant_gemv_avx512::supports,
-                quant_gemv_avx512::row_dot,
+                <Avx512 as RowKernels>::supports,
+                row_dot::<Avx512>,
                 Some(false),
             ),
-            (quant_gemv_avx2::supports, quant_gemv_avx2::row_dot, None),
+            (<Avx2 as RowKernels>::supports, row_dot::<Avx2>, None),
         ];
         let kernels = [kernels[which]];
         for (supports, row_dot, hold) in kernels {
@@ -730,16 +683,13 @@ mod tests {
                 type Rows = fn(QuantType, &[u8], &[f32], &mut [f32], usize) -> bool;
                 let multi: &[Rows] = if avx512 {
                     &[
-                        quant_gemv_avx512::rows_dots::<1>,
-                        quant_gemv_avx512::rows_dots::<2>,
-                        quant_gemv_avx512::rows_dots::<3>,
-                        quant_gemv_avx512::rows_dots::<4>,
+                        rows_dots::<Avx512, 1>,
+                        rows_dots::<Avx512, 2>,
+                        rows_dots::<Avx512, 3>,
+                        rows_dots::<Avx512, 4>,
                     ]
                 } else {
-                    &[
-                        quant_gemv_avx2::rows_dots::<1>,
-                        quant_gemv_avx2::rows_dots::<2>,
-                    ]
+                    &[rows_dots::<Avx2, 1>, rows_dots::<Avx2, 2>]
                 };
                 for (k, dots) in multi.iter().enumerate() {
                     let nx = k + 1;
@@ -830,7 +780,7 @@ mod tests {
                 quant_gemv(ty, &bytes, &x, Some(&bias), &mut got)
                     .map_err(crate::Error::into_candle)?;
                 for (j, (a, b)) in got.iter().zip(&want).enumerate() {
-                    if quant_gemv_avx512::supports(ty) || quant_gemv_avx2::supports(ty) {
+                    if <Avx512 as RowKernels>::supports(ty) || <Avx2 as RowKernels>::supports(ty) {
                         // Summed in another order: within f32 rounding of the magnitudes.
                         let row = &deq[j * inp..(j + 1) * inp];
                         let mag: f32 = row.iter().zip(&x).map(|(w, v)| (w * v).abs()).sum();

@@ -12,10 +12,11 @@
 #[cfg(target_arch = "x86_64")]
 use std::arch::x86_64::*;
 
+#[cfg(target_arch = "x86_64")]
 use crate::kernels::decode::held_lanes::HeldLanes;
+use crate::kernels::decode::row_kernels::RowKernels;
 #[cfg(target_arch = "x86_64")]
 use crate::kernels::decode::x86_helpers::{fifth_bit_set, fifth_bits, nibbles};
-#[cfg(target_arch = "x86_64")]
 #[cfg(target_arch = "x86_64")]
 use crate::kernels::decode::x86_helpers::{
     half_at, half_before, halves_at, q3_k_scales, q6_k_bytes,
@@ -25,49 +26,41 @@ use crate::kernels::quant::blocks::scales_mins_k4;
 use crate::kernels::quant::blocks::QuantType;
 #[cfg(target_arch = "x86_64")]
 use crate::kernels::quant::row_kinds::kind;
-use crate::kernels::quant::row_kinds::rows_dots_shape;
-#[cfg(target_arch = "x86_64")]
 use crate::kernels::quant::row_kinds::ROW_KERNEL_TYPES;
 
-/// Whether this CPU runs these kernels for `ty` (AVX2, FMA and F16C, and the instruction
-/// set not capped below AVX2).
-pub(crate) fn supports(ty: QuantType) -> bool {
-    crate::kernels::simd::avx2_fma_f16c() && ROW_KERNEL_TYPES.contains(&ty)
-}
+/// This instruction set's exact row kernels ([`RowKernels`]): AVX2, FMA and F16C (most laptops), up to 2 rows of `x` per unpacked block.
+pub(crate) struct Avx2;
 
-/// `sum_k W[k] x[k]` for one row (`row`: whole blocks of `ty`, `x.len()` values); `None` when
-/// this CPU or type has no kernel here, or the sizes do not fit (the tests' one-row form).
-#[cfg(test)]
-pub(crate) fn row_dot(ty: QuantType, row: &[u8], x: &[f32]) -> Option<f32> {
-    let mut out = [0f32];
-    rows_dots::<1>(ty, row, x, &mut out, 1).then_some(out[0])
-}
+impl RowKernels for Avx2 {
+    type Rows = [f32];
 
-/// The AVX2 + FMA + F16C form of `quant_gemv_avx512::rows_dots` (the same contract: `out[ldo
-/// j + r]` for weight row `j` and row `r` of `xs`, each sum the same bits as that row alone;
-/// `false` when this CPU or type has no kernel here or the sizes do not fit).
-pub(crate) fn rows_dots<const R: usize>(
-    ty: QuantType,
-    rows: &[u8],
-    xs: &[f32],
-    out: &mut [f32],
-    ldo: usize,
-) -> bool {
-    let shape = rows_dots_shape(ty, rows, xs, R, out, ldo);
-    let Some((inp, row_bytes)) = shape.filter(|_| supports(ty)) else {
-        return false;
-    };
-    #[cfg(target_arch = "x86_64")]
-    {
-        // SAFETY: AVX2, FMA and F16C checked by `supports`; `rows` holds `n` rows of whole
-        // blocks for `inp` values, `xs` `R` rows of `inp` values, `out` `(n - 1) ldo + R`
-        // floats.
-        unsafe { rows_dots_avx2::<R>(ty, rows, row_bytes, xs.as_ptr(), inp, out, ldo) }
+    const MOST_ROWS: usize = 2;
+
+    fn supports(ty: QuantType) -> bool {
+        crate::kernels::simd::avx2_fma_f16c() && ROW_KERNEL_TYPES.contains(&ty)
     }
-    #[cfg(not(target_arch = "x86_64"))]
-    {
-        let _ = (out, ldo, inp, row_bytes);
-        false
+
+    unsafe fn rows_dots_checked<const R: usize>(
+        ty: QuantType,
+        rows: &[u8],
+        row_bytes: usize,
+        xs: &[f32],
+        inp: usize,
+        out: &mut [f32],
+        ldo: usize,
+    ) -> bool {
+        #[cfg(target_arch = "x86_64")]
+        {
+            // SAFETY: the caller checked the features (`supports`) and the sizes (`shape`):
+            // `rows` holds whole rows of `row_bytes`, `xs` `R` rows of `inp` values, `out`
+            // `(n - 1) ldo + R` floats.
+            unsafe { rows_dots_avx2::<R>(ty, rows, row_bytes, xs.as_ptr(), inp, out, ldo) }
+        }
+        #[cfg(not(target_arch = "x86_64"))]
+        {
+            let _ = (ty, rows, row_bytes, xs, inp, out, ldo);
+            false
+        }
     }
 }
 

@@ -12,8 +12,9 @@
 #[cfg(target_arch = "x86_64")]
 use std::arch::x86_64::*;
 
-use crate::kernels::decode::held_lanes::HeldLanes;
 #[cfg(target_arch = "x86_64")]
+use crate::kernels::decode::held_lanes::HeldLanes;
+use crate::kernels::decode::row_kernels::RowKernels;
 #[cfg(target_arch = "x86_64")]
 use crate::kernels::decode::x86_helpers::RowSums;
 #[cfg(target_arch = "x86_64")]
@@ -23,59 +24,52 @@ use crate::kernels::quant::blocks::scales_mins_k4;
 use crate::kernels::quant::blocks::QuantType;
 #[cfg(target_arch = "x86_64")]
 use crate::kernels::quant::row_kinds::kind;
-use crate::kernels::quant::row_kinds::rows_dots_shape;
 #[cfg(target_arch = "x86_64")]
 use crate::kernels::quant::row_kinds::ROW_KERNEL_TYPES;
 #[cfg(target_arch = "x86_64")]
 use crate::kernels::simd::{isa, Isa};
 
-/// Whether this CPU runs these kernels for `ty`.
-pub(crate) fn supports(ty: QuantType) -> bool {
-    #[cfg(target_arch = "x86_64")]
-    {
-        matches!(isa(), Isa::Avx512) && ROW_KERNEL_TYPES.contains(&ty)
-    }
-    #[cfg(not(target_arch = "x86_64"))]
-    {
-        let _ = ty;
-        false
-    }
-}
+/// This instruction set's exact row kernels ([`RowKernels`]): AVX-512F, up to 4 rows of `x` per unpacked block.
+pub(crate) struct Avx512;
 
-/// `sum_k W[k] x[k]` for one row (`row`: whole blocks of `ty`, `x.len()` values); `None` when
-/// this CPU or type has no kernel here, or the sizes do not fit (the tests' one-row form).
-#[cfg(test)]
-pub(crate) fn row_dot(ty: QuantType, row: &[u8], x: &[f32]) -> Option<f32> {
-    let mut out = [0f32];
-    rows_dots::<1>(ty, row, x, &mut out, 1).then_some(out[0])
-}
+impl RowKernels for Avx512 {
+    type Rows = [f32];
 
-/// `out[ldo j + r] = sum_k W[j, k] x_r[k]` for each whole row `j` of `rows` and each of the
-/// `R` rows of `xs` (`R` rows of `xs.len() / R` values): each block unpacked once for all of
-/// them, and each sum the same bits as for that row of `x` alone (the same accumulators,
-/// in the same order). `false`, writing nothing, when this CPU or type has no kernel here or
-/// the sizes do not fit.
-pub(crate) fn rows_dots<const R: usize>(
-    ty: QuantType,
-    rows: &[u8],
-    xs: &[f32],
-    out: &mut [f32],
-    ldo: usize,
-) -> bool {
-    let shape = rows_dots_shape(ty, rows, xs, R, out, ldo);
-    let Some((inp, row_bytes)) = shape.filter(|_| supports(ty)) else {
-        return false;
-    };
-    #[cfg(target_arch = "x86_64")]
-    {
-        // SAFETY: AVX-512F checked by `supports`; `rows` holds `n` rows of whole
-        // blocks, `xs` `R` rows of `inp` values, `out` `(n - 1) ldo + R` floats.
-        unsafe { rows_dots_avx512::<R>(ty, rows, row_bytes, xs.as_ptr(), inp, out, ldo) }
+    const MOST_ROWS: usize = 4;
+
+    fn supports(ty: QuantType) -> bool {
+        #[cfg(target_arch = "x86_64")]
+        {
+            matches!(isa(), Isa::Avx512) && ROW_KERNEL_TYPES.contains(&ty)
+        }
+        #[cfg(not(target_arch = "x86_64"))]
+        {
+            let _ = ty;
+            false
+        }
     }
-    #[cfg(not(target_arch = "x86_64"))]
-    {
-        let _ = (out, ldo, inp, row_bytes);
-        false
+
+    unsafe fn rows_dots_checked<const R: usize>(
+        ty: QuantType,
+        rows: &[u8],
+        row_bytes: usize,
+        xs: &[f32],
+        inp: usize,
+        out: &mut [f32],
+        ldo: usize,
+    ) -> bool {
+        #[cfg(target_arch = "x86_64")]
+        {
+            // SAFETY: the caller checked the features (`supports`) and the sizes (`shape`):
+            // `rows` holds whole rows of `row_bytes`, `xs` `R` rows of `inp` values, `out`
+            // `(n - 1) ldo + R` floats.
+            unsafe { rows_dots_avx512::<R>(ty, rows, row_bytes, xs.as_ptr(), inp, out, ldo) }
+        }
+        #[cfg(not(target_arch = "x86_64"))]
+        {
+            let _ = (ty, rows, row_bytes, xs, inp, out, ldo);
+            false
+        }
     }
 }
 
@@ -83,7 +77,7 @@ pub(crate) fn rows_dots<const R: usize>(
 #[cfg(target_arch = "x86_64")]
 use crate::kernels::quant::row_kinds::kind::{Q4_0, Q4_1, Q5_0, Q5_1, Q8_0};
 
-/// [`rows_dots`] once checked.
+/// [`Avx512`]'s products once checked.
 ///
 /// # Safety
 /// AVX-512F; `rows` holds whole rows of `row_bytes` (`inp` values in blocks of `ty`), `xs`
@@ -141,7 +135,7 @@ unsafe fn rows_dots_avx512<const R: usize>(
 /// gguf-py does), unpacked in registers 16 at a time; `false`, writing nothing, when this CPU
 /// or type has no kernel here or the sizes do not agree.
 pub(crate) fn dequantize(ty: QuantType, bytes: &[u8], out: &mut [f32]) -> bool {
-    if !supports(ty) || ty.bytes_of(out.len()) != Some(bytes.len()) {
+    if !Avx512::supports(ty) || ty.bytes_of(out.len()) != Some(bytes.len()) {
         return false;
     }
     #[cfg(target_arch = "x86_64")]

@@ -15,80 +15,75 @@
 #[cfg(target_arch = "x86_64")]
 use std::arch::x86_64::*;
 
+use crate::kernels::decode::row_kernels::RowKernels;
 #[cfg(target_arch = "x86_64")]
 use crate::kernels::decode::x86_helpers::{halves8, weights, with_x};
-use crate::kernels::quant::activations::{rows_dots_shape, QuantizedX};
+use crate::kernels::quant::activations::QuantizedX;
 use crate::kernels::quant::blocks::QuantType;
 use crate::kernels::quant::row_kinds::ROW_KERNEL_TYPES;
 
-/// Whether this CPU runs these kernels for `ty`: where it runs the exact AVX2 ones (AVX2,
-/// FMA and F16C, the instruction set not capped below AVX2; the types of
-/// [`crate::kernels::quant::row_kinds::ROW_KERNEL_TYPES`]).
-pub(crate) fn supports(ty: QuantType) -> bool {
-    crate::kernels::simd::avx2_fma_f16c() && ROW_KERNEL_TYPES.contains(&ty)
-}
+/// This instruction set's 8-bit row kernels ([`RowKernels`]): AVX2, FMA and F16C (where the
+/// exact AVX2 ones run), up to 2 rows of `x` per unpacked block.
+pub(crate) struct Int8Avx2;
 
-/// `sum_k W[k] x[k]` for one row of `ty` blocks against `x` quantized; `None` when this CPU
-/// or type has no kernel here, or the sizes do not fit.
-#[cfg(test)]
-pub(crate) fn row_dot(ty: QuantType, row: &[u8], x: &QuantizedX) -> Option<f32> {
-    let mut out = [0f32];
-    rows_dots::<1>(ty, row, std::slice::from_ref(x), &mut out, 1).then_some(out[0])
-}
+impl RowKernels for Int8Avx2 {
+    type Rows = [QuantizedX];
 
-/// `out[ldo j + r] = sum_k W[j, k] x_r[k]` for each whole row `j` of `rows` and each of the
-/// `R` quantized rows `xs` (all of one length): each block unpacked once for all of them,
-/// each sum the same bits as for that row of `x` alone. `false`, writing nothing, when this
-/// CPU or type has no kernel here or the sizes do not fit.
-pub(crate) fn rows_dots<const R: usize>(
-    ty: QuantType,
-    rows: &[u8],
-    xs: &[QuantizedX],
-    out: &mut [f32],
-    ldo: usize,
-) -> bool {
-    let Some(row_bytes) = rows_dots_shape(ty, rows, xs, R, out, ldo).filter(|_| supports(ty))
-    else {
-        return false;
-    };
-    #[cfg(target_arch = "x86_64")]
-    {
-        use crate::kernels::decode::prefetch::{rows_ahead, AHEAD};
-        use crate::kernels::quant::row_kinds::kind::{Q4_0, Q4_1, Q5_0, Q5_1, Q8_0};
-        use crate::kernels::quant::row_kinds::{FIVE_BITS, FOUR_BITS, THREE_BITS, TWO_BITS};
-        let end = rows.as_ptr_range().end;
-        // Each row's lines requested `AHEAD` bytes ahead.
-        macro_rules! each_row {
-            ($dot:ident $(::<$k:ident>)?) => {
-                for (j, row) in rows.chunks_exact(row_bytes).enumerate() {
-                    rows_ahead(row.as_ptr(), row_bytes, AHEAD, end);
-                    // SAFETY: the features checked by `supports`; `row` holds `inp / 32`
-                    // whole blocks (`inp / 256` for the K-quants), each of `xs` `inp` values.
-                    let sums = unsafe { $dot::<$($k,)? R>(row.as_ptr(), xs) };
-                    out[j * ldo..j * ldo + R].copy_from_slice(&sums);
-                }
-            };
-        }
-        match ty {
-            QuantType::Q8_0 => each_row!(dot::<Q8_0>),
-            QuantType::Q4_0 => each_row!(dot::<Q4_0>),
-            QuantType::Q4_1 => each_row!(dot::<Q4_1>),
-            QuantType::Q5_0 => each_row!(dot::<Q5_0>),
-            QuantType::Q4K => each_row!(dot_q4_k::<FOUR_BITS>),
-            QuantType::Q5K => each_row!(dot_q4_k::<FIVE_BITS>),
-            QuantType::Q6K => each_row!(dot_q6_k),
-            QuantType::Q2K => each_row!(dot_q2_q3_k::<TWO_BITS>),
-            QuantType::Q3K => each_row!(dot_q2_q3_k::<THREE_BITS>),
-            QuantType::Q5_1 => each_row!(dot::<Q5_1>),
-            // `supports` filtered the types: another has no kernel here.
-            _ => return false,
-        }
-        true
+    const MOST_ROWS: usize = 2;
+
+    fn supports(ty: QuantType) -> bool {
+        crate::kernels::simd::avx2_fma_f16c() && ROW_KERNEL_TYPES.contains(&ty)
     }
-    #[cfg(not(target_arch = "x86_64"))]
-    {
-        let _ = (out, ldo, row_bytes);
-        false
+
+    unsafe fn rows_dots_checked<const R: usize>(
+        ty: QuantType,
+        rows: &[u8],
+        row_bytes: usize,
+        xs: &[QuantizedX],
+        _inp: usize,
+        out: &mut [f32],
+        ldo: usize,
+    ) -> bool {
+        #[cfg(target_arch = "x86_64")]
+        {
+            use crate::kernels::decode::prefetch::{rows_ahead, AHEAD};
+            use crate::kernels::quant::row_kinds::kind::{Q4_0, Q4_1, Q5_0, Q5_1, Q8_0};
+            use crate::kernels::quant::row_kinds::{FIVE_BITS, FOUR_BITS, THREE_BITS, TWO_BITS};
+            let end = rows.as_ptr_range().end;
+            // Each row's lines requested `AHEAD` bytes ahead.
+            macro_rules! each_row {
+                ($dot:ident $(::<$k:ident>)?) => {
+                    for (j, row) in rows.chunks_exact(row_bytes).enumerate() {
+                        rows_ahead(row.as_ptr(), row_bytes, AHEAD, end);
+                        // SAFETY: the caller checked the features (`supports`) and the sizes:
+                        // `row` holds `inp / 32` whole blocks (`inp / 256` for the K-quants),
+                        // each of `xs` `inp` values.
+                        let sums = unsafe { $dot::<$($k,)? R>(row.as_ptr(), xs) };
+                        out[j * ldo..j * ldo + R].copy_from_slice(&sums);
+                    }
+                };
+            }
+            match ty {
+                QuantType::Q8_0 => each_row!(dot::<Q8_0>),
+                QuantType::Q4_0 => each_row!(dot::<Q4_0>),
+                QuantType::Q4_1 => each_row!(dot::<Q4_1>),
+                QuantType::Q5_0 => each_row!(dot::<Q5_0>),
+                QuantType::Q4K => each_row!(dot_q4_k::<FOUR_BITS>),
+                QuantType::Q5K => each_row!(dot_q4_k::<FIVE_BITS>),
+                QuantType::Q6K => each_row!(dot_q6_k),
+                QuantType::Q2K => each_row!(dot_q2_q3_k::<TWO_BITS>),
+                QuantType::Q3K => each_row!(dot_q2_q3_k::<THREE_BITS>),
+                QuantType::Q5_1 => each_row!(dot::<Q5_1>),
+                // `supports` filtered the types: another has no kernel here.
+                _ => return false,
+            }
+            true
+        }
+        #[cfg(not(target_arch = "x86_64"))]
+        {
+            let _ = (ty, rows, xs, out, ldo, row_bytes);
+            false
+        }
     }
 }
 

@@ -19,60 +19,52 @@
 #[cfg(target_arch = "x86_64")]
 use std::arch::x86_64::*;
 
+use crate::kernels::decode::row_kernels::RowKernels;
 #[cfg(target_arch = "x86_64")]
 use crate::kernels::decode::x86_helpers::read_u32;
-use crate::kernels::quant::activations::{rows_dots_shape, QuantizedX};
+use crate::kernels::quant::activations::QuantizedX;
 use crate::kernels::quant::blocks::QuantType;
-#[cfg(any(target_arch = "x86_64", test))]
 use crate::kernels::quant::row_kinds::ROW_KERNEL_TYPES;
+#[cfg(target_arch = "x86_64")]
 use crate::kernels::quant::row_kinds::{FIVE_BITS, FOUR_BITS, THREE_BITS, TWO_BITS};
 
-/// Whether this CPU runs these kernels for `ty`: AVX-512 F, BW, VL and VNNI (the
-/// instruction set not capped below AVX-512), for the types of
-/// [`crate::kernels::quant::row_kinds::ROW_KERNEL_TYPES`] (the 32-value types and the
-/// K-quants).
-pub(crate) fn supports(ty: QuantType) -> bool {
-    crate::kernels::simd::avx512_vnni() && ROW_KERNEL_TYPES.contains(&ty)
-}
+/// This instruction set's 8-bit row kernels ([`RowKernels`]): AVX-512 F, BW, VL and VNNI, up to 4 rows of `x` per unpacked pair of blocks.
+pub(crate) struct Vnni;
 
-/// `sum_k W[k] x[k]` for one row of `ty` blocks against `x` quantized; `None` when this CPU
-/// or type has no kernel here, or the sizes do not fit.
-#[cfg(test)]
-pub(crate) fn row_dot(ty: QuantType, row: &[u8], x: &QuantizedX) -> Option<f32> {
-    let mut out = [0f32];
-    rows_dots::<1>(ty, row, std::slice::from_ref(x), &mut out, 1).then_some(out[0])
-}
+impl RowKernels for Vnni {
+    type Rows = [QuantizedX];
 
-/// `out[ldo j + r] = sum_k W[j, k] x_r[k]` for each whole row `j` of `rows` and each of the
-/// `R` quantized rows `xs` (all of one length): each pair of blocks unpacked once for all of
-/// them, each sum the same bits as [`row_dot`] gives that row alone. `false`, writing
-/// nothing, when this CPU or type has no kernel here or the sizes do not fit.
-pub(crate) fn rows_dots<const R: usize>(
-    ty: QuantType,
-    rows: &[u8],
-    xs: &[QuantizedX],
-    out: &mut [f32],
-    ldo: usize,
-) -> bool {
-    let Some(row_bytes) = rows_dots_shape(ty, rows, xs, R, out, ldo).filter(|_| supports(ty))
-    else {
-        return false;
-    };
-    #[cfg(target_arch = "x86_64")]
-    {
-        // SAFETY: the features checked by `supports`; `rows` holds whole rows of `inp / 32`
-        // blocks (`inp / 256` for the K-quants), each of `xs` `inp` values with their
-        // scales, sums and offsets (checked by `rows_dots_shape`), `out` room for them.
-        unsafe { rows_dots_vnni::<R>(ty, rows, row_bytes, xs, out, ldo) }
+    const MOST_ROWS: usize = 4;
+
+    fn supports(ty: QuantType) -> bool {
+        crate::kernels::simd::avx512_vnni() && ROW_KERNEL_TYPES.contains(&ty)
     }
-    #[cfg(not(target_arch = "x86_64"))]
-    {
-        let _ = (out, ldo, row_bytes);
-        false
+
+    unsafe fn rows_dots_checked<const R: usize>(
+        ty: QuantType,
+        rows: &[u8],
+        row_bytes: usize,
+        xs: &[QuantizedX],
+        _inp: usize,
+        out: &mut [f32],
+        ldo: usize,
+    ) -> bool {
+        #[cfg(target_arch = "x86_64")]
+        {
+            // SAFETY: the caller checked the features (`supports`) and the sizes (`shape`):
+            // `rows` holds whole rows of blocks, each of `xs` `inp` values with their scales,
+            // sums and offsets, `out` room for them.
+            unsafe { rows_dots_vnni::<R>(ty, rows, row_bytes, xs, out, ldo) }
+        }
+        #[cfg(not(target_arch = "x86_64"))]
+        {
+            let _ = (ty, rows, row_bytes, xs, out, ldo);
+            false
+        }
     }
 }
 
-/// [`rows_dots`] once checked: one loop over the rows per type.
+/// [`Vnni`]'s products once checked: one loop over the rows per type.
 ///
 /// # Safety
 /// As [`dot_pairs`], for each row of `rows` (whole rows of `row_bytes`); `out` holds
@@ -568,6 +560,8 @@ unsafe fn dot_q6_k<const R: usize>(b0: *const u8, xs: &[QuantizedX]) -> [__m512;
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::kernels::decode::quant_gemv_int8_avx2::Int8Avx2;
+    use crate::kernels::decode::row_kernels::{row_dot, rows_dots};
     use crate::kernels::quant::blocks::{self, tests::ggml};
     use candle_core::quantized::QTensor;
     use candle_core::{Device, Tensor};
@@ -588,21 +582,20 @@ mod tests {
     /// and the `m` terms are right, and the only error against the f32 product is `x`'s
     /// quantization.
     fn several_rows_of_x_sum_as_each_alone(which: usize) -> candle_core::Result<()> {
-        use crate::kernels::decode::quant_gemv_int8_avx2 as avx2;
         type Supports = fn(QuantType) -> bool;
-        type Dot = fn(QuantType, &[u8], &QuantizedX) -> Option<f32>;
+        type Dot = fn(QuantType, &[u8], &[QuantizedX]) -> Option<f32>;
         type Rows = fn(QuantType, &[u8], &[QuantizedX], &mut [f32], usize) -> bool;
         // Per kernel: its rows_dots for 1..=4 rows of `x` (AVX2 takes up to 2).
         let vnni: [Rows; 4] = [
-            rows_dots::<1>,
-            rows_dots::<2>,
-            rows_dots::<3>,
-            rows_dots::<4>,
+            rows_dots::<Vnni, 1>,
+            rows_dots::<Vnni, 2>,
+            rows_dots::<Vnni, 3>,
+            rows_dots::<Vnni, 4>,
         ];
-        let avx2: [Rows; 2] = [avx2::rows_dots::<1>, avx2::rows_dots::<2>];
+        let avx2: [Rows; 2] = [rows_dots::<Int8Avx2, 1>, rows_dots::<Int8Avx2, 2>];
         let kernels: [(Supports, Dot, &[Rows]); 2] = [
-            (supports, row_dot, &vnni),
-            (avx2::supports, avx2::row_dot, &avx2),
+            (Vnni::supports, row_dot::<Vnni>, &vnni),
+            (Int8Avx2::supports, row_dot::<Int8Avx2>, &avx2),
         ];
         let kernels = [kernels[which]];
         let cases = ROW_KERNEL_TYPES.into_iter().flat_map(widths);
@@ -632,7 +625,7 @@ mod tests {
                 for r in 0..rows {
                     let row = &bytes[r * row_bytes..(r + 1) * row_bytes];
                     for (i, x) in xs[..nx].iter().enumerate() {
-                        let alone = row_dot(ty, row, x).expect("a kernel");
+                        let alone = row_dot(ty, row, std::slice::from_ref(x)).expect("a kernel");
                         assert_eq!(
                             out[r * ldo + i].to_bits(),
                             alone.to_bits(),
@@ -671,9 +664,11 @@ mod tests {
     }
     fn equals_the_weight_times_the_quantized_x(which: usize) -> candle_core::Result<()> {
         type Supports = fn(QuantType) -> bool;
-        type Dot = fn(QuantType, &[u8], &QuantizedX) -> Option<f32>;
-        use crate::kernels::decode::quant_gemv_int8_avx2 as avx2;
-        let kernels: [(Supports, Dot); 2] = [(supports, row_dot), (avx2::supports, avx2::row_dot)];
+        type Dot = fn(QuantType, &[u8], &[QuantizedX]) -> Option<f32>;
+        let kernels: [(Supports, Dot); 2] = [
+            (Vnni::supports, row_dot::<Vnni>),
+            (Int8Avx2::supports, row_dot::<Int8Avx2>),
+        ];
         let kernels = [kernels[which]];
         // An even number of blocks a row, and an odd one (its last block alone).
         let cases = ROW_KERNEL_TYPES.into_iter().flat_map(widths);
@@ -693,8 +688,12 @@ mod tests {
             let xv = xq.values();
             let row_bytes = bytes.len() / rows;
             for r in 0..rows {
-                let got =
-                    row_dot(ty, &bytes[r * row_bytes..(r + 1) * row_bytes], &xq).expect("a kernel");
+                let got = row_dot(
+                    ty,
+                    &bytes[r * row_bytes..(r + 1) * row_bytes],
+                    std::slice::from_ref(&xq),
+                )
+                .expect("a kernel");
                 let w = &deq[r * cols..(r + 1) * cols];
                 let want: f64 = w.iter().zip(&xv).map(|(a, b)| *a as f64 * *b as f64).sum();
                 let mag: f64 = w
@@ -718,7 +717,7 @@ mod tests {
                     "{ty} row {r}"
                 );
             }
-            assert!(row_dot(ty, &bytes[..row_bytes - 1], &xq).is_none());
+            assert!(row_dot(ty, &bytes[..row_bytes - 1], std::slice::from_ref(&xq)).is_none());
         }
         Ok(())
     }
