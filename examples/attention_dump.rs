@@ -53,7 +53,8 @@ enum Format {
     /// Tokens and a colored heatmap of one head, for a person.
     Text,
     /// One compact JSON object per sentence (JSON Lines):
-    /// {"model", "text", "tokens", "shape": [layers, heads, seq, seq], "attentions"}.
+    /// {"model", "text", "tokens", "token_text", "shape": [layers, heads, seq, seq],
+    /// "attentions"}.
     Json,
 }
 
@@ -389,8 +390,12 @@ impl Shown {
     /// The picture `--svg` writes: the explanation when there is one, else the head.
     fn picture(&self, view: &AttentionDump) -> String {
         match &self.explanation {
-            Some((title, m)) => render_svg(&view.tokens, m, title),
-            None => render_svg(&view.tokens, &self.head, &self.head_title),
+            Some((title, m)) => render_svg(&trimmed(&view.display_tokens()), m, title),
+            None => render_svg(
+                &trimmed(&view.display_tokens()),
+                &self.head,
+                &self.head_title,
+            ),
         }
     }
 }
@@ -409,11 +414,12 @@ fn print_view(
     if let Some(n) = number {
         writeln!(out, "sentence {n}: {}", view.text)?;
     }
-    let tokens: Vec<String> = view
-        .tokens
+    // Each token's decoded text (` capital`, not `Ġcapital`), quoted so a leading space shows.
+    let labels = view.display_tokens();
+    let tokens: Vec<String> = labels
         .iter()
         .enumerate()
-        .map(|(i, t)| format!("{i}:{t}"))
+        .map(|(i, t)| format!("{i}:{t:?}"))
         .collect();
     writeln!(
         out,
@@ -423,7 +429,7 @@ fn print_view(
         tokens.join(" ")
     )?;
     writeln!(out, "{}", shown.head_title)?;
-    write!(out, "{}", draw(&view.tokens, &shown.head, style))?;
+    write!(out, "{}", draw(&trimmed(&labels), &shown.head, style))?;
     if let Some((title, matrix)) = &shown.explanation {
         let grad = view
             .explain
@@ -470,20 +476,26 @@ fn print_explanation(
         "value"
     };
     writeln!(out, "cells = {what} / {max:.4e} x 100")?;
-    write!(out, "{}", draw(&view.tokens, &scaled, style))?;
+    let labels = view.display_tokens();
+    write!(out, "{}", draw(&trimmed(&labels), &scaled, style))?;
     let row = if decoder {
         matrix.len().saturating_sub(1)
     } else {
         0
     };
-    let who = view.tokens.get(row).cloned().unwrap_or_default();
-    let ranked: Vec<String> = ranking(&view.tokens, matrix, row)
+    let who = labels.get(row).cloned().unwrap_or_default();
+    let ranked: Vec<String> = ranking(&labels, matrix, row)
         .into_iter()
         .take(10)
-        .map(|(t, v)| format!("{t} {v:.3e}"))
+        .map(|(t, v)| format!("{t:?} {v:.3e}"))
         .collect();
-    writeln!(out, "ranked for {who} (row {row}): {}", ranked.join(", "))?;
+    writeln!(out, "ranked for {who:?} (row {row}): {}", ranked.join(", "))?;
     Ok(())
+}
+
+/// Labels without their leading spaces, for the heatmap's columns and rows.
+fn trimmed(labels: &[String]) -> Vec<String> {
+    labels.iter().map(|l| l.trim_start().to_string()).collect()
 }
 
 /// `--svg`'s path for sentence `number` (1-based) of several: `out.svg`, `out-2.svg`, ...
@@ -541,12 +553,14 @@ impl Network {
             if chat.is_some() {
                 bail!("--chat takes a decoder (a LLaMA-family model) with a chat template");
             }
-            return Ok(Self::Encoder(Model::load(files, dtype, device, truncate)?));
+            let mut model = Model::load(files, dtype, device, truncate)?;
+            model.text.set_token_text(true);
+            return Ok(Self::Encoder(model));
         }
         let cfg = LlamaConfig::from_file(&files.config)?;
         let ckpt = Checkpoint::open_many(&files.weights)?;
         let model = LlamaModel::from_checkpoint(&ckpt, &cfg, dtype, device)?;
-        let mut text = TextEncoder::from_file(&files.tokenizer)?;
+        let mut text = TextEncoder::from_file(&files.tokenizer)?.with_token_text(true);
         if let Some(p) = cfg.max_position_embeddings {
             text = text.with_max_positions(p)?.with_truncation(truncate)?;
         }
@@ -579,7 +593,7 @@ impl Network {
     ) -> anyhow::Result<Self> {
         let file = GgufFile::open_for(path, device)?;
         let model = LlamaModel::from_gguf_file(&file, dtype, device)?;
-        let mut text = TextEncoder::from_gguf(&file)?;
+        let mut text = TextEncoder::from_gguf(&file)?.with_token_text(true);
         if let Some(p) = model.config().max_position_embeddings {
             text = text.with_max_positions(p)?.with_truncation(truncate)?;
         }

@@ -9,6 +9,7 @@ mod html;
 mod svg;
 mod words;
 
+pub use crate::text::display_label;
 pub use dump::{AttentionDump, DumpSelection};
 pub use explain::{ranking, ExplainMethod, Explanation, GradTarget};
 pub use heatmap::{render_heatmap, render_top_keys, HeatmapStyle, HEATMAP_MAX_TOKENS};

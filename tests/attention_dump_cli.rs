@@ -7,7 +7,7 @@
 //! ```
 //!
 //! `--format json` prints nothing but JSON Lines, one compact
-//! `{"model", "text", "tokens", "shape", "attentions"}` object per sentence, whose
+//! `{"model", "text", "tokens", "token_text", "shape", "attentions"}` object per sentence, whose
 //! attentions equal transformers' (golden fixture, 1e-4) and whose batched results equal
 //! each sentence run alone (1e-5). `--layer`/`--head` slice the dump, `--words` merges word
 //! pieces (key weights summed, query weights averaged), `--html` writes a self-contained
@@ -29,7 +29,14 @@ use serde::Deserialize;
 const MODEL_NAME: &str = "sentence-transformers/all-MiniLM-L6-v2";
 const LAYERS: usize = 6;
 const HEADS: usize = 12;
-const KEYS: [&str; 5] = ["model", "text", "tokens", "shape", "attentions"];
+const KEYS: [&str; 6] = [
+    "model",
+    "text",
+    "tokens",
+    "token_text",
+    "shape",
+    "attentions",
+];
 /// Rows of a softmax sum to 1 up to f32 rounding.
 const ROW_TOL: f32 = 1e-4;
 /// Against transformers' attentions.
@@ -217,6 +224,7 @@ struct Dump {
     model: String,
     text: String,
     tokens: Vec<String>,
+    token_text: Vec<String>,
     shape: [usize; 4],
     attentions: Vec<Vec<Vec<Vec<f32>>>>,
 }
@@ -278,6 +286,28 @@ fn check_dump(d: &Dump) -> anyhow::Result<()> {
     let [l, h, s, s2] = d.shape;
     ensure!(l >= 1 && h >= 1 && s >= 2 && s == s2, "shape {:?}", d.shape);
     ensure!(d.tokens.len() == s, "{} tokens for seq {s}", d.tokens.len());
+    // Each token's decoded text: the WordPiece `##` gone, the words' spaces kept, and
+    // together the pieces' text.
+    ensure!(d.token_text.len() == s, "token_text {:?}", d.token_text);
+    ensure!(
+        d.token_text
+            .iter()
+            .all(|t| !t.is_empty() && !t.contains("##")),
+        "token_text {:?}",
+        d.token_text
+    );
+    let squeeze = |t: &str| t.split_whitespace().collect::<String>().to_lowercase();
+    let pieces: String = d
+        .tokens
+        .iter()
+        .map(|t| t.trim_start_matches("##"))
+        .collect();
+    ensure!(
+        squeeze(&d.token_text.concat()) == squeeze(&pieces),
+        "token_text {:?} against tokens {:?}",
+        d.token_text,
+        d.tokens
+    );
     ensure!(
         d.tokens.first().map(String::as_str) == Some("[CLS]")
             && d.tokens.last().map(String::as_str) == Some("[SEP]"),
@@ -1283,7 +1313,7 @@ fn explain_adds_its_object_to_each_sentence() -> anyhow::Result<()> {
 fn explain_in_the_terminal_ranks_tokens() -> anyhow::Result<()> {
     let out = run_ok(&["--explain", "norm", "--no-color", ANIMAL])?;
     ensure!(out.contains("explanation: value-weighted norms"), "{out}");
-    ensure!(out.contains("ranked for [CLS] (row 0): "), "{out}");
+    ensure!(out.contains("ranked for \"[CLS]\" (row 0): "), "{out}");
     Ok(())
 }
 

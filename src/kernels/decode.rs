@@ -3,9 +3,10 @@
 //! kept awake between the small parallel steps of a decode.
 //!
 //! The GGUF row kernels are laid out as ggml-cpu lays out its own: the block formats, the
-//! types the kernels take and the 8-bit `x` below (`kernels::quant`), the pieces several
-//! instruction sets share in [`x86_helpers`], one file per instruction set importing only
-//! those (`quant_gemv_avx512`, `quant_gemv_avx2`, and the 8-bit `quant_gemv_vnni`,
+//! types the kernels take and the 8-bit `x` below (`kernels::quant`), the contract each
+//! instruction set implements and the one driver over it in [`row_kernels`], the pieces
+//! several instruction sets share in [`x86_helpers`], one file per instruction set importing
+//! only those (`quant_gemv_avx512`, `quant_gemv_avx2`, and the 8-bit `quant_gemv_vnni`,
 //! `quant_gemv_int8_avx2`), and [`quant_gemv`] above them, dispatching.
 
 pub(crate) mod f16_kernels;

@@ -4,7 +4,7 @@ use candle_core::{IndexOp, Tensor};
 use serde::Serialize;
 
 use crate::error::{Error, Result};
-use crate::text::EncodedText;
+use crate::text::{display_label, EncodedText};
 use crate::viz::explain::Explanation;
 use crate::viz::words::{aggregate, word_groups};
 
@@ -21,7 +21,7 @@ pub struct DumpSelection {
 /// key token `j` in layer `layer_ids[l]`, head `head_ids[h]`.
 ///
 /// Serializes (for `--format json`) to exactly
-/// `{"model", "text", "tokens", "shape", "attentions"}`, plus `"explain"` (see
+/// `{"model", "text", "tokens", "token_text", "shape", "attentions"}`, plus `"explain"` (see
 /// [`Explanation`]) when an explanation is attached.
 #[derive(Debug, Clone, Serialize)]
 pub struct AttentionDump {
@@ -31,6 +31,9 @@ pub struct AttentionDump {
     pub text: String,
     /// Its tokens (or words, after [`AttentionDump::into_words`]).
     pub tokens: Vec<String>,
+    /// Each token's (or word's) text as the tokenizer decodes it: concatenated, the decoded
+    /// text ([`EncodedText::token_text`]).
+    pub token_text: Vec<String>,
     /// `[layers, heads, seq, seq]`
     pub shape: [usize; 4],
     /// `[layer][head][query][key]` weights; each query row sums to 1.
@@ -102,6 +105,7 @@ impl AttentionDump {
             model: model.to_string(),
             text: item.text.clone(),
             tokens: item.tokens.clone(),
+            token_text: item.token_text.clone(),
             shape: [layer_ids.len(), head_ids.len(), n, n],
             attentions: out,
             layer_ids,
@@ -120,14 +124,35 @@ impl AttentionDump {
             .map(|heads| heads.iter().map(|m| aggregate(m, &groups)).collect())
             .collect();
         let tokens: Vec<String> = groups.iter().map(|g| g.label.clone()).collect();
+        let token_text = groups
+            .iter()
+            .map(|g| {
+                self.token_text
+                    .get(g.tokens.clone())
+                    .unwrap_or_default()
+                    .concat()
+            })
+            .collect();
         let n = tokens.len();
         Self {
             tokens,
+            token_text,
             shape: [self.shape[0], self.shape[1], n, n],
             attentions,
             explain: self.explain.map(|e| e.into_words(item)),
             ..self
         }
+    }
+
+    /// The labels a person reads: each token's decoded text (a leading space kept, line
+    /// breaks written as `\n`), or its vocabulary string where the text is empty
+    /// ([`crate::viz::display_label`]).
+    pub fn display_tokens(&self) -> Vec<String> {
+        self.tokens
+            .iter()
+            .enumerate()
+            .map(|(i, t)| display_label(self.token_text.get(i).map_or("", String::as_str), t))
+            .collect()
     }
 
     /// `(layer position, head position)` of the head to show a person: among the heads
@@ -236,6 +261,9 @@ mod tests {
                 "ball".into(),
                 "[SEP]".into(),
             ],
+            token_text: ["[CLS]", " play", "ing", " ball", " [SEP]"]
+                .map(String::from)
+                .to_vec(),
             type_ids: vec![0; 5],
             offsets: vec![(0, 0), (0, 4), (4, 7), (8, 12), (0, 0)],
             word_ids: vec![None, Some(0), Some(0), Some(1), None],
@@ -253,6 +281,7 @@ mod tests {
             model: "m".into(),
             text: "playing ball".into(),
             tokens: item().tokens,
+            token_text: item().token_text,
             shape: [1, 1, n, n],
             attentions: vec![vec![m]],
             layer_ids: vec![0],
@@ -261,6 +290,13 @@ mod tests {
         };
         let w = dump.into_words(&item());
         assert_eq!(w.tokens, vec!["[CLS]", "playing", "ball", "[SEP]"]);
+        // A word's text is its pieces' texts joined; they still concatenate to the whole.
+        assert_eq!(w.token_text, vec!["[CLS]", " playing", " ball", " [SEP]"]);
+        assert_eq!(w.token_text.concat(), item().token_text.concat());
+        assert_eq!(
+            w.display_tokens(),
+            vec!["[CLS]", " playing", " ball", " [SEP]"]
+        );
         assert_eq!(w.shape, [1, 1, 4, 4]);
         let a = &w.attentions[0][0];
         // "playing" as a key = sum of its two pieces; as a query = mean of two rows.
@@ -302,6 +338,7 @@ mod tests {
             model: "m".into(),
             text: "t".into(),
             tokens: (0..n).map(|i| format!("t{i}")).collect(),
+            token_text: Vec::new(),
             shape: [2, 2, n, n],
             attentions: vec![vec![identity.clone(), previous], vec![parking, relational]],
             layer_ids: vec![0, 1],

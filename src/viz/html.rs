@@ -20,7 +20,8 @@ const FULL_PRECISION_VALUES: usize = 1 << 20;
 struct PageSentence<'a> {
     model: &'a str,
     text: &'a str,
-    tokens: &'a [String],
+    /// The labels a person reads ([`AttentionDump::display_tokens`]).
+    tokens: Vec<String>,
     shape: [usize; 4],
     /// `[l][h][i][j]`, for pages small enough to carry numbers.
     #[serde(skip_serializing_if = "Option::is_none")]
@@ -133,7 +134,7 @@ pub fn render_html_grouped(
             PageSentence {
                 model: &d.model,
                 text: &d.text,
-                tokens: &d.tokens,
+                tokens: d.display_tokens(),
                 shape: d.shape,
                 attentions: (!large).then_some(d.attentions.as_slice()),
                 attentions_u8: large.then(bytes),
@@ -178,6 +179,7 @@ mod tests {
             model: "m".into(),
             text: "</script><b>".into(),
             tokens: vec!["</script>".into()],
+            token_text: Vec::new(),
             shape: [1, 1, 1, 1],
             attentions: vec![vec![vec![vec![1.0]]]],
             layer_ids: vec![0],
@@ -220,6 +222,7 @@ mod tests {
             model: "m".into(),
             text: "t".into(),
             tokens: (0..n).map(|i| format!("t{i}")).collect(),
+            token_text: Vec::new(),
             shape: [1, 12, n, n],
             attentions,
             layer_ids: vec![0],
