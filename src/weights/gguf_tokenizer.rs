@@ -10,6 +10,7 @@
 //! a Gemma file (`general.architecture` `gemma`, `gemma2`, `gemma3`), as its
 //! `GemmaTokenizer`.
 
+use ahash::AHashMap;
 use serde_json::{json, Map, Value};
 
 use tokenizers::Tokenizer;
@@ -403,35 +404,37 @@ fn gemma(
 fn merges_from_scores<'a>(tokens: &[&'a str], scores: &[f64]) -> Vec<(&'a str, &'a str)> {
     // Python dicts: a repeated token keeps its first position and its last id and score.
     let mut order: Vec<&str> = Vec::new();
-    let mut id = std::collections::HashMap::new();
-    let mut score = std::collections::HashMap::new();
+    let mut id: AHashMap<&str, usize> = AHashMap::with_capacity(tokens.len());
+    let mut score: AHashMap<&str, f64> = AHashMap::with_capacity(tokens.len());
     for (i, &t) in tokens.iter().enumerate() {
         if id.insert(t, i).is_none() {
             order.push(t);
         }
         score.insert(t, scores.get(i).copied().unwrap_or(0.0));
     }
-    let mut merges: Vec<(&str, &str, f64)> = Vec::new();
+    // (left, right, score, left's and right's lengths in characters).
+    let mut merges: Vec<(&str, &str, f64, usize, usize)> = Vec::new();
     for &t in &order {
-        let mut local: Vec<(&str, &str, f64)> = t
+        let (s, total) = (score[t], t.chars().count());
+        let mut local: Vec<(usize, usize, &str, &str, usize)> = t
             .char_indices()
             .skip(1)
-            .map(|(k, _)| (&t[..k], &t[k..]))
-            .filter(|(l, r)| id.contains_key(l) && id.contains_key(r))
-            .map(|(l, r)| (l, r, score[t]))
+            .enumerate()
+            .filter_map(|(n, (k, _))| {
+                let (l, r) = (&t[..k], &t[k..]);
+                Some((*id.get(l)?, *id.get(r)?, l, r, n + 1))
+            })
             .collect();
-        local.sort_by_key(|&(l, r, _)| (id[l], id[r]));
-        merges.extend(local);
+        local.sort_unstable_by_key(|&(il, ir, ..)| (il, ir));
+        merges.extend(
+            local
+                .into_iter()
+                .map(|(_, _, l, r, lc)| (l, r, s, lc, total - lc)),
+        );
     }
-    let key = |m: &(&str, &str, f64)| (m.2, m.0.chars().count(), m.1.chars().count());
     // Descending and stable, as Python's `sorted(..., reverse=True)`.
-    merges.sort_by(|a, b| {
-        let (ka, kb) = (key(a), key(b));
-        kb.0.total_cmp(&ka.0)
-            .then(kb.1.cmp(&ka.1))
-            .then(kb.2.cmp(&ka.2))
-    });
-    merges.into_iter().map(|(l, r, _)| (l, r)).collect()
+    merges.sort_by(|a, b| b.2.total_cmp(&a.2).then(b.3.cmp(&a.3)).then(b.4.cmp(&a.4)));
+    merges.into_iter().map(|(l, r, ..)| (l, r)).collect()
 }
 
 #[cfg(test)]
