@@ -26,9 +26,9 @@ use crate::kernels::quant::blocks::scales_mins_k4;
 use crate::kernels::quant::blocks::QuantType;
 #[cfg(target_arch = "x86_64")]
 use crate::kernels::quant::row_kinds::kind;
-use crate::kernels::quant::row_kinds::ROW_KERNEL_TYPES;
 
-/// This instruction set's exact row kernels ([`RowKernels`]): AVX2, FMA and F16C (most laptops), up to 2 rows of `x` per unpacked block.
+/// This instruction set's exact row kernels ([`RowKernels`]): AVX2, FMA and F16C (most
+/// laptops), up to 2 rows of `x` per unpacked block.
 pub(crate) struct Avx2;
 
 impl RowKernels for Avx2 {
@@ -36,8 +36,8 @@ impl RowKernels for Avx2 {
 
     const MOST_ROWS: usize = 2;
 
-    fn supports(ty: QuantType) -> bool {
-        crate::kernels::simd::avx2_fma_f16c() && ROW_KERNEL_TYPES.contains(&ty)
+    fn cpu_runs() -> bool {
+        crate::kernels::simd::avx2_fma_f16c()
     }
 
     unsafe fn rows_dots_checked<const R: usize>(

@@ -25,11 +25,10 @@ use crate::kernels::quant::blocks::QuantType;
 #[cfg(target_arch = "x86_64")]
 use crate::kernels::quant::row_kinds::kind;
 #[cfg(target_arch = "x86_64")]
-use crate::kernels::quant::row_kinds::ROW_KERNEL_TYPES;
-#[cfg(target_arch = "x86_64")]
 use crate::kernels::simd::{isa, Isa};
 
-/// This instruction set's exact row kernels ([`RowKernels`]): AVX-512F, up to 4 rows of `x` per unpacked block.
+/// This instruction set's exact row kernels ([`RowKernels`]): AVX-512F, up to 4 rows of `x`
+/// per unpacked block.
 pub(crate) struct Avx512;
 
 impl RowKernels for Avx512 {
@@ -37,16 +36,11 @@ impl RowKernels for Avx512 {
 
     const MOST_ROWS: usize = 4;
 
-    fn supports(ty: QuantType) -> bool {
+    fn cpu_runs() -> bool {
         #[cfg(target_arch = "x86_64")]
-        {
-            matches!(isa(), Isa::Avx512) && ROW_KERNEL_TYPES.contains(&ty)
-        }
+        return isa() == Isa::Avx512;
         #[cfg(not(target_arch = "x86_64"))]
-        {
-            let _ = ty;
-            false
-        }
+        false
     }
 
     unsafe fn rows_dots_checked<const R: usize>(

@@ -20,7 +20,6 @@ use crate::kernels::decode::row_kernels::RowKernels;
 use crate::kernels::decode::x86_helpers::{halves8, weights, with_x};
 use crate::kernels::quant::activations::QuantizedX;
 use crate::kernels::quant::blocks::QuantType;
-use crate::kernels::quant::row_kinds::ROW_KERNEL_TYPES;
 
 /// This instruction set's 8-bit row kernels ([`RowKernels`]): AVX2, FMA and F16C (where the
 /// exact AVX2 ones run), up to 2 rows of `x` per unpacked block.
@@ -31,8 +30,8 @@ impl RowKernels for Int8Avx2 {
 
     const MOST_ROWS: usize = 2;
 
-    fn supports(ty: QuantType) -> bool {
-        crate::kernels::simd::avx2_fma_f16c() && ROW_KERNEL_TYPES.contains(&ty)
+    fn cpu_runs() -> bool {
+        crate::kernels::simd::avx2_fma_f16c()
     }
 
     unsafe fn rows_dots_checked<const R: usize>(

@@ -24,11 +24,11 @@ use crate::kernels::decode::row_kernels::RowKernels;
 use crate::kernels::decode::x86_helpers::read_u32;
 use crate::kernels::quant::activations::QuantizedX;
 use crate::kernels::quant::blocks::QuantType;
-use crate::kernels::quant::row_kinds::ROW_KERNEL_TYPES;
 #[cfg(target_arch = "x86_64")]
 use crate::kernels::quant::row_kinds::{FIVE_BITS, FOUR_BITS, THREE_BITS, TWO_BITS};
 
-/// This instruction set's 8-bit row kernels ([`RowKernels`]): AVX-512 F, BW, VL and VNNI, up to 4 rows of `x` per unpacked pair of blocks.
+/// This instruction set's 8-bit row kernels ([`RowKernels`]): AVX-512 F, BW, VL and VNNI, up
+/// to 4 rows of `x` per unpacked pair of blocks.
 pub(crate) struct Vnni;
 
 impl RowKernels for Vnni {
@@ -36,8 +36,8 @@ impl RowKernels for Vnni {
 
     const MOST_ROWS: usize = 4;
 
-    fn supports(ty: QuantType) -> bool {
-        crate::kernels::simd::avx512_vnni() && ROW_KERNEL_TYPES.contains(&ty)
+    fn cpu_runs() -> bool {
+        crate::kernels::simd::avx512_vnni()
     }
 
     unsafe fn rows_dots_checked<const R: usize>(
@@ -563,6 +563,7 @@ mod tests {
     use crate::kernels::decode::quant_gemv_int8_avx2::Int8Avx2;
     use crate::kernels::decode::row_kernels::{row_dot, rows_dots};
     use crate::kernels::quant::blocks::{self, tests::ggml};
+    use crate::kernels::quant::row_kinds::ROW_KERNEL_TYPES;
     use candle_core::quantized::QTensor;
     use candle_core::{Device, Tensor};
 

@@ -70,9 +70,15 @@ pub(crate) trait RowKernels {
     /// The most rows of `x` one unpacked block serves.
     const MOST_ROWS: usize;
 
-    /// Whether this CPU runs these kernels for `ty` (the instruction set's features, not
-    /// capped below it by `CANDLE_ATTENTION_ISA`, and a type they take).
-    fn supports(ty: QuantType) -> bool;
+    /// Whether this CPU has the instruction set's features, not capped below it by
+    /// `CANDLE_ATTENTION_ISA`.
+    fn cpu_runs() -> bool;
+
+    /// Whether this CPU runs these kernels for `ty`: [`RowKernels::cpu_runs`], and a type
+    /// the row kernels take.
+    fn supports(ty: QuantType) -> bool {
+        Self::cpu_runs() && row_kinds::ROW_KERNEL_TYPES.contains(&ty)
+    }
 
     /// The products once checked; `false`, writing nothing, for a type without a kernel.
     ///
