@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # GGUF models: ours (examples/generate.rs) against llama.cpp (llama-cpp-python, built from
-# source with native flags) and candle-transformers' `quantized_llama` (benches/candle_quantized,
-# built here with -C target-cpu=native; CANDLE=0 skips it) on the same files, side by side,
+# source with native flags) and candle-transformers' `quantized_llama` / `quantized_gemma3`
+# (benches/candle_quantized, built here with -C target-cpu=native; CANDLE=0 skips it) on the
+# same files, side by side,
 # THREADS threads each, with each file's bandwidth bound.
 #
 #   benches/gguf.sh [FILE.gguf ...]     (default: models/SmolLM2-135M-Instruct.*.gguf)
@@ -89,7 +90,8 @@ for f in "${files[@]}"; do
       c_pre="$(awk -v a="$c_pre" -v b="$p" 'BEGIN { print (b > a) ? b : a }')"
       c_rss="$(awk -v a="$c_rss" -v b="$kb" 'BEGIN { print (b > a) ? b : a }')"
     done
-    printf '| %s | candle quantized_llama 0.11.1 | %.1f | %.0f | %.0f | %.0f%% of %s |\n' "$(basename "$f")" "$c_dec" "$c_pre" \
+    c_tool="$("$CANDLE_BIN" "$f" 504,3575,282,4649,314 2 | field tool)"
+    printf '| %s | %s | %.1f | %.0f | %.0f | %.0f%% of %s |\n' "$(basename "$f")" "$c_tool" "$c_dec" "$c_pre" \
       "$(awk -v k="$c_rss" 'BEGIN { print k / 1024 }')" "$(awk -v d="$c_dec" -v b="$bound" 'BEGIN { print 100 * d / b }')" "$bound"
   fi
   if [ "$have_llama" = 1 ]; then
