@@ -86,7 +86,6 @@ pub(crate) fn isa() -> Isa {
 #[cfg(target_arch = "x86_64")]
 #[derive(Debug, Clone, Copy)]
 struct Features {
-    f16c: bool,
     avx2_fma_f16c: bool,
     avx512_vnni: bool,
 }
@@ -98,7 +97,6 @@ fn features() -> Features {
         let f16c = is_x86_feature_detected!("f16c");
         let fma = is_x86_feature_detected!("fma");
         Features {
-            f16c,
             avx2_fma_f16c: is_x86_feature_detected!("avx2") && fma && f16c,
             avx512_vnni: is_x86_feature_detected!("avx512f")
                 && is_x86_feature_detected!("avx512bw")
@@ -110,15 +108,8 @@ fn features() -> Features {
     })
 }
 
-/// F16C's conversions with AVX2 + FMA, the instruction set not capped below AVX2 (the f16
-/// matrix-vector loops' AVX2 form).
-#[cfg(target_arch = "x86_64")]
-pub(crate) fn avx2_f16c() -> bool {
-    features().f16c && matches!(isa(), Isa::Avx2 | Isa::Avx512)
-}
-
-/// AVX2, FMA and F16C, the instruction set not capped below AVX2 (the GGUF row kernels'
-/// AVX2 forms, exact and 8-bit).
+/// AVX2, FMA and F16C, the instruction set not capped below AVX2 (the f16 matrix-vector
+/// loops' and the GGUF row kernels' AVX2 forms, exact and 8-bit).
 pub(crate) fn avx2_fma_f16c() -> bool {
     #[cfg(target_arch = "x86_64")]
     return features().avx2_fma_f16c && matches!(isa(), Isa::Avx2 | Isa::Avx512);

@@ -28,7 +28,7 @@ fn isa() -> Isa {
             use crate::kernels::simd::{isa, Isa as Cpu};
             match isa() {
                 Cpu::Avx512 => return Isa::Avx512,
-                Cpu::Avx2 if crate::kernels::simd::avx2_f16c() => return Isa::Avx2F16c,
+                Cpu::Avx2 if crate::kernels::simd::avx2_fma_f16c() => return Isa::Avx2F16c,
                 _ => {}
             }
         }
